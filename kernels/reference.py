@@ -1,0 +1,82 @@
+"""Plain PyTorch attention: the oracle the Triton kernels are tested against, and the CPU path.
+
+Both functions compute in fp32 and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over (B, H, T, D) tensors; causal masks are bottom-right aligned."""
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if causal:
+        tq, tk = q.shape[-2], k.shape[-2]
+        qpos = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+        kpos = torch.arange(tk, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of packed new tokens against each sequence's paged keys and values.
+
+    q: (N, H, D), the new tokens of B sequences one after another.
+    k_cache, v_cache: (num_blocks, block_size, H, D), one layer's pools (new tokens already written).
+    block_tables: (B, max_blocks) int, block ids of each sequence in order.
+    context_lens: (B,) int, tokens in each sequence including the new ones.
+    query_start: (B + 1,) int, offsets of each sequence's queries in q.
+    The causal mask is bottom-right aligned: query i of a sequence with L tokens and n new ones
+    sits at position L - n + i and sees keys 0 .. L - n + i.
+    Returns (N, H, D).
+    """
+    n_tokens, n_head, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    device = q.device
+    q_lens = (query_start[1:] - query_start[:-1]).long()  # (B,)
+    ctx = context_lens.long()  # (B,)
+    max_q = int(q_lens.max())
+    n_blocks = max(1, -(-int(ctx.max()) // block_size))
+    tables = block_tables[:, :n_blocks].long()  # (B, nb)
+    batch = tables.shape[0]
+
+    # gather each sequence's keys and values: (B, nb * bs, H, D)
+    keys = k_cache[tables].reshape(batch, n_blocks * block_size, n_head, head_dim).float()
+    values = v_cache[tables].reshape(batch, n_blocks * block_size, n_head, head_dim).float()
+    kpos = torch.arange(n_blocks * block_size, device=device)  # (Lk,)
+    key_valid = kpos[None, :] < ctx[:, None]  # (B, Lk)
+    # unused slots may hold anything (even NaN): zero them so 0 * garbage cannot poison the sum
+    values = values.masked_fill(~key_valid[:, :, None, None], 0.0)
+
+    qi = torch.arange(max_q, device=device)  # (Lq,)
+    q_valid = qi[None, :] < q_lens[:, None]  # (B, Lq)
+    q_index = (query_start[:-1].long()[:, None] + qi[None, :]).clamp(max=n_tokens - 1)
+    q_pad = q[q_index].float()  # (B, Lq, H, D)
+    qpos = ctx[:, None] - q_lens[:, None] + qi[None, :]  # (B, Lq) absolute positions
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", q_pad, keys) * scale  # (B, H, Lq, Lk)
+    allowed = (kpos[None, None, :] <= qpos[:, :, None]) & key_valid[:, None, :]  # (B, Lq, Lk)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, values)  # (B, Lq, H, D)
+    return out[q_valid].to(q.dtype)  # (N, H, D)

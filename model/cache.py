@@ -1,0 +1,170 @@
+"""The paged KV cache: per-layer pools of fixed-size blocks, an allocator, per-sequence block tables.
+
+A sequence's keys and values live in blocks that need not be contiguous nor in order; its block
+table lists them. Running out of blocks raises `OutOfBlocks` before anything is changed, so the
+engine can preempt a sequence and retry; no sequence ever writes into another's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    """The block pool cannot hold what was asked; nothing was allocated."""
+
+
+class BlockAllocator:
+    """Hands out and takes back block ids from a free list."""
+
+    def __init__(self, num_blocks: int, order: Sequence[int] | None = None) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        order = list(range(num_blocks)) if order is None else list(order)
+        if sorted(order) != list(range(num_blocks)):
+            raise ValueError("order must be a permutation of range(num_blocks)")
+        self.num_blocks = num_blocks
+        self._free = order[::-1]  # pop() from the end hands out order[0] first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if b not in self._used:
+                raise ValueError(f"block {b} is not allocated")
+            self._used.remove(b)
+            self._free.append(b)
+
+
+@dataclass
+class CacheBatch:
+    """Where the new tokens of a batch of sequences go and what they attend to.
+
+    positions: (N,) absolute position of each new token.
+    slot_mapping: (N,) flat pool slot (block * block_size + offset) each new token is written to.
+    block_tables: (B, max_blocks) int32, padded with 0.
+    context_lens: (B,) int32, tokens per sequence including the new ones.
+    query_start: (B + 1,) int32, offsets of each sequence's new tokens in the packed batch.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start: torch.Tensor
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """(B,) index of each sequence's last new token in the packed batch."""
+        return self.query_start[1:].long() - 1
+
+
+class KVCache:
+    """Key and value pools shaped (n_layer, num_blocks, block_size, n_head, head_dim)."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        block_order: Sequence[int] | None = None,
+    ) -> None:
+        shape = (n_layer, num_blocks, block_size, n_head, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.allocator = BlockAllocator(num_blocks, block_order)
+        self._tables: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+
+    @staticmethod
+    def bytes_per_block(
+        n_layer: int, n_head: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layer * block_size * n_head * head_dim * itemsize
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lens.get(seq_id, 0)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._tables.get(seq_id, []))
+
+    def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
+        """Blocks that appending new_tokens to seq_id would take from the pool."""
+        total = self.seq_len(seq_id) + new_tokens
+        have = len(self._tables.get(seq_id, ()))
+        return max(0, -(-total // self.block_size) - have)
+
+    def free(self, seq_id: int) -> None:
+        """Return all of a sequence's blocks to the pool (no-op for unknown ids)."""
+        blocks = self._tables.pop(seq_id, None)
+        self._lens.pop(seq_id, None)
+        if blocks:
+            self.allocator.free(blocks)
+
+    def prepare(self, batch: Sequence[tuple[int, int]]) -> CacheBatch:
+        """Reserve room for (seq_id, new_tokens) pairs and describe where they go.
+
+        All or nothing: raises OutOfBlocks with the cache unchanged if the pool is too small.
+        """
+        needed = sum(self.blocks_needed(s, n) for s, n in batch)
+        if needed > self.allocator.num_free:
+            raise OutOfBlocks(f"batch needs {needed} KV blocks, {self.allocator.num_free} free")
+        positions: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        starts = [0]
+        bs = self.block_size
+        for seq_id, n_new in batch:
+            table = self._tables.setdefault(seq_id, [])
+            start = self._lens.get(seq_id, 0)
+            table.extend(self.allocator.allocate(self.blocks_needed(seq_id, n_new)))
+            self._lens[seq_id] = start + n_new
+            for p in range(start, start + n_new):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            lens.append(start + n_new)
+            starts.append(starts[-1] + n_new)
+        width = max(len(self._tables[s]) for s, _ in batch)
+        tables = [self._tables[s] + [0] * (width - len(self._tables[s])) for s, _ in batch]
+        dev = self.device
+        return CacheBatch(
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
+            context_lens=torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+        )
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values (N, H, D) of one layer at their slots."""
+        n_blocks, bs, h, d = self.k.shape[1:]
+        self.k[layer].view(n_blocks * bs, h, d).index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v[layer].view(n_blocks * bs, h, d).index_copy_(0, slot_mapping, v.to(self.v.dtype))

@@ -1,0 +1,171 @@
+"""Checkpoints: our directory format and Hugging Face GPT-2 directories, through one `load_checkpoint`.
+
+Ours: `config.json` (ModelConfig with "format": "gptserve") + `model.safetensors`.
+Hugging Face GPT-2: `config.json` (model_type gpt2) + `model.safetensors`, or `pytorch_model.bin`
+read with `torch.load(weights_only=True)`; its Conv1D weights are stored (in, out) and transposed here.
+Nothing is ever unpickled beyond plain tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model.config import ConfigError, ModelConfig
+from model.gpt import GPT
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+HF_BIN_FILE = "pytorch_model.bin"
+_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, or does not match its config."""
+
+
+def save_checkpoint(model: GPT, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
+    """Write config.json and model.safetensors into directory `path`, each atomically."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().contiguous().cpu()
+        for k, v in model.state_dict().items()
+        if not (model.config.tie_embeddings and k == "lm_head.weight")
+    }
+    _atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    config_text = json.dumps(model.config.to_dict(), indent=2) + "\n"
+    _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(config_text))
+    for name, text in (extra_files or {}).items():
+        _atomic_write(path / name, lambda tmp, t=text: Path(tmp).write_text(t))
+
+
+def _atomic_write(target: Path, write) -> None:
+    """Write through a temp file in the same directory, fsync, then rename over target."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load_checkpoint(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> GPT:
+    """Load our checkpoint directory or a Hugging Face GPT-2 directory into an eval-mode GPT."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{path} has no {CONFIG_FILE}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path} is not a JSON object")
+    try:
+        if raw.get("model_type") == "gpt2":
+            config = _config_from_hf(raw)
+            state = _hf_state_dict(_read_weights(path, allow_bin=True))
+        else:
+            config = ModelConfig.from_dict(raw)
+            state = _read_weights(path, allow_bin=False)
+    except ConfigError as exc:
+        raise CheckpointError(f"{cfg_path}: {exc}") from None
+
+    model = GPT(config)
+    _load_state(model, state, path)
+    model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def _read_weights(path: Path, allow_bin: bool) -> dict[str, torch.Tensor]:
+    st = path / WEIGHTS_FILE
+    if st.is_file():
+        try:
+            return load_file(str(st))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{st} is unreadable or truncated: {exc}") from None
+    binary = path / HF_BIN_FILE
+    if allow_bin and binary.is_file():
+        try:
+            state = torch.load(binary, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for corrupt or unsafe pickles
+            raise CheckpointError(f"{binary} is unreadable or not plain tensors: {exc}") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{binary} does not hold a state dict")
+        return state
+    wanted = f"{WEIGHTS_FILE} or {HF_BIN_FILE}" if allow_bin else WEIGHTS_FILE
+    raise CheckpointError(f"{path} has no {wanted}")
+
+
+def _config_from_hf(raw: dict) -> ModelConfig:
+    act = raw.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "relu"):
+        raise ConfigError(f"unsupported activation_function {act!r}")
+    n_embd = raw.get("n_embd", 768)
+    if raw.get("n_inner") not in (None, 4 * n_embd):
+        raise ConfigError("n_inner other than 4 * n_embd is not supported")
+    return ModelConfig(
+        vocab_size=raw.get("vocab_size", 50257),
+        block_size=raw.get("n_positions", raw.get("n_ctx", 1024)),
+        n_layer=raw.get("n_layer", 12),
+        n_head=raw.get("n_head", 12),
+        n_embd=n_embd,
+        layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        activation="relu" if act == "relu" else "gelu",
+        tie_embeddings=raw.get("tie_word_embeddings", True),
+    )
+
+
+def _hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, tensor in state.items():
+        name = key.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers of older transformers versions
+        if name.endswith(_HF_TRANSPOSED):
+            tensor = tensor.t()
+        out[name if name == "lm_head.weight" else f"transformer.{name}"] = tensor
+    return out
+
+
+def _load_state(model: GPT, state: dict[str, torch.Tensor], path: Path) -> None:
+    expected = model.state_dict()
+    if model.config.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+        if unexpected:
+            parts.append(
+                f"unexpected {', '.join(unexpected[:3])}" + (" ..." if len(unexpected) > 3 else "")
+            )
+        raise CheckpointError(f"{path}: weights do not match config.json ({'; '.join(parts)})")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise CheckpointError(
+                f"{path}: {key} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{tuple(expected[key].shape)}"
+            )
+    model.load_state_dict(state, strict=False)

@@ -1,0 +1,96 @@
+"""Model hyper-parameters: a dataclass with a JSON round trip and one-line validation errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+POS_ENCODINGS = ("learned", "sinusoidal")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("gelu", "relu")
+
+
+class ConfigError(ValueError):
+    """An inconsistent or unreadable model configuration."""
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2 by default; the original Transformer's choices are options.
+
+    pos_encoding: "learned" (GPT-2 `wpe`) or "sinusoidal" (fixed, no parameters).
+    norm_position: "pre" (GPT-2: x + f(LN(x)), final LN) or "post" ("Add & Norm": LN(x + f(x))).
+    activation: "gelu" (tanh approximation, as GPT-2) or "relu".
+    """
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    pos_encoding: str = "learned"
+    norm_position: str = "pre"
+    activation: str = "gelu"
+    layer_norm_eps: float = 1e-5
+    tokenizer: str = "gpt2"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.pos_encoding not in POS_ENCODINGS:
+            raise ConfigError(f"pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
+        if self.norm_position not in NORM_POSITIONS:
+            raise ConfigError(
+                f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.pos_encoding == "sinusoidal" and self.n_embd % 2 != 0:
+            raise ConfigError(f"sinusoidal positions need an even n_embd, got {self.n_embd}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "gptserve", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"format"})
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:  # wrong value types reach dataclass init
+            raise ConfigError(str(exc)) from None
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read model config {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"model config {path} is not a JSON object")
+        return cls.from_dict(data)

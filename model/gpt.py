@@ -1,0 +1,214 @@
+"""A GPT-2 style decoder-only Transformer with GPT-2 parameter names.
+
+Three ways to run it:
+- `model(idx)`: full causal forward, logits (B, T, V); no cache.
+- `model.loss(idx, targets)`: the training loss (cross-entropy, ignore_index -1).
+- `model.forward_cached(tokens, cache, batch)`: inference over the paged KV cache for a packed batch
+  of sequences, each with one (decode) or many (prefill) new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import flash_attention, paged_attention
+from model.cache import CacheBatch, KVCache
+from model.config import ModelConfig
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
+    """(n_pos, dim) fixed encodings: sin on even channels, cos on odd, geometric wavelengths."""
+    pos = torch.arange(n_pos, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_pos, dim)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    return table
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        y = flash_attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch
+    ) -> torch.Tensor:
+        N, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=1)
+        q = q.view(N, self.n_head, self.head_dim)  # (N, nh, hs)
+        k = k.view(N, self.n_head, self.head_dim)
+        v = v.view(N, self.n_head, self.head_dim)
+        cache.write(layer, batch.slot_mapping, k, v)
+        y = paged_attention(
+            q, cache.k[layer], cache.v[layer],
+            batch.block_tables, batch.context_lens, batch.query_start,
+        )  # (N, nh, hs)
+        return self.c_proj(y.reshape(N, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.relu = config.activation == "relu"
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._residual(x, self.attn)
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch
+    ) -> torch.Tensor:
+        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, batch))
+
+    def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + attend(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        x = self.ln_1(x + attend(x))  # post-LN "Add & Norm"
+        return self.ln_2(x + self.mlp(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        layers = dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+        )
+        if config.pos_encoding == "learned":
+            layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        if config.norm_position == "pre":
+            layers["ln_f"] = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.transformer = nn.ModuleDict(layers)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.pos_encoding == "sinusoidal":
+            table = sinusoidal_table(config.block_size, config.n_embd)
+            self.register_buffer("pos_table", table, persistent=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx)
+        if self.config.pos_encoding == "learned":
+            x = x + self.transformer.wpe(pos)
+        else:
+            x = x + self.pos_table[pos].to(x.dtype)
+        return self.transformer.drop(x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if "ln_f" in self.transformer:
+            x = self.transformer.ln_f(x)
+        return self.lm_head(x)
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, C) final hidden states before ln_f/lm_head."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self._embed(idx, pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        return x
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab_size) logits."""
+        return self._head(self.hidden(idx))
+
+    def loss(
+        self, idx: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1
+    ) -> torch.Tensor:
+        """Mean cross-entropy of next-token predictions; targets equal to ignore_index count for nothing."""
+        logits = self(idx)  # (B, T, V)
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=ignore_index
+        )
+
+    def forward_cached(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        batch: CacheBatch,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run packed new tokens (N,) through the model, reading and extending the paged cache.
+
+        logits_index selects which of the N positions get logits (default: each sequence's last
+        new token). Returns (len(logits_index), vocab_size).
+        """
+        x = self._embed(tokens, batch.positions)  # (N, C)
+        for layer, block in enumerate(self.transformer.h):
+            x = block.forward_cached(x, cache, layer, batch)
+        index = batch.last_token_index if logits_index is None else logits_index
+        return self._head(x[index])  # (M, V)
+
+    def make_cache(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        block_order: list[int] | None = None,
+    ) -> KVCache:
+        """A KV cache sized for this model."""
+        p = next(self.parameters())
+        c = self.config
+        return KVCache(
+            c.n_layer, c.n_head, c.head_dim, num_blocks, block_size,
+            device=device or p.device, dtype=dtype or p.dtype, block_order=block_order,
+        )
