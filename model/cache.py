@@ -163,7 +163,9 @@ class KVCache:
             query_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
         )
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Store new keys/values (N, H, D) of one layer at their slots."""
         n_blocks, bs, h, d = self.k.shape[1:]
         self.k[layer].view(n_blocks * bs, h, d).index_copy_(0, slot_mapping, k.to(self.k.dtype))

@@ -22,14 +22,21 @@ from model.gpt import GPT
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HF_BIN_FILE = "pytorch_model.bin"
-_HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_HF_TRANSPOSED = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated, or does not match its config."""
 
 
-def save_checkpoint(model: GPT, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
+def save_checkpoint(
+    model: GPT, path: str | Path, extra_files: dict[str, str] | None = None
+) -> None:
     """Write config.json and model.safetensors into directory `path`, each atomically."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

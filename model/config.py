@@ -52,13 +52,13 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ConfigError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.pos_encoding not in POS_ENCODINGS:
-            raise ConfigError(f"pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
+            raise ConfigError(
+                f"pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}"
+            )
         if self.norm_position not in NORM_POSITIONS:
             raise ConfigError(
                 f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}"

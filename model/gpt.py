@@ -60,8 +60,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(N, self.n_head, self.head_dim)
         cache.write(layer, batch.slot_mapping, k, v)
         y = paged_attention(
-            q, cache.k[layer], cache.v[layer],
-            batch.block_tables, batch.context_lens, batch.query_start,
+            q,
+            cache.k[layer],
+            cache.v[layer],
+            batch.block_tables,
+            batch.context_lens,
+            batch.query_start,
         )  # (N, nh, hs)
         return self.c_proj(y.reshape(N, C))
 
@@ -117,7 +121,9 @@ class GPT(nn.Module):
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         if config.norm_position == "pre":
-            layers["ln_f"] = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+            layers["ln_f"] = nn.LayerNorm(
+                config.n_embd, eps=config.layer_norm_eps, bias=config.bias
+            )
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.pos_encoding == "sinusoidal":
@@ -209,6 +215,12 @@ class GPT(nn.Module):
         p = next(self.parameters())
         c = self.config
         return KVCache(
-            c.n_layer, c.n_head, c.head_dim, num_blocks, block_size,
-            device=device or p.device, dtype=dtype or p.dtype, block_order=block_order,
+            c.n_layer,
+            c.n_head,
+            c.head_dim,
+            num_blocks,
+            block_size,
+            device=device or p.device,
+            dtype=dtype or p.dtype,
+            block_order=block_order,
         )

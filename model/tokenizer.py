@@ -61,7 +61,7 @@ def _read_checked(path: Path) -> bytes:
     return data
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpt2_encoding() -> tiktoken.Encoding:
     folder = _data_dir()
     _read_checked(folder / "vocab.bpe")

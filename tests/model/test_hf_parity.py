@@ -19,7 +19,9 @@ def _hf_model(tmp_path, cfg, safe: bool):
 
 
 @pytest.mark.parametrize(
-    "cfg,safe", [(SMALL, True), (SMALL, False), (GPT2_124M, True)], ids=["small", "small-bin", "124M"]
+    "cfg,safe",
+    [(SMALL, True), (SMALL, False), (GPT2_124M, True)],
+    ids=["small", "small-bin", "124M"],
 )
 def test_logits_and_greedy_tokens_match(tmp_path, cfg, safe):
     hf = _hf_model(tmp_path, cfg, safe)
@@ -34,7 +36,10 @@ def test_logits_and_greedy_tokens_match(tmp_path, cfg, safe):
     prompt = idx[:1, :8]
     with torch.no_grad():
         expected = hf.generate(
-            prompt, max_new_tokens=32, do_sample=False, pad_token_id=0,
+            prompt,
+            max_new_tokens=32,
+            do_sample=False,
+            pad_token_id=0,
             attention_mask=torch.ones_like(prompt),
         )[0, 8:].tolist()
         seq = prompt

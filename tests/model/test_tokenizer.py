@@ -38,7 +38,9 @@ def test_corpus_round_trip(tok, shakespeare_path):
     assert tok.decode(ids) == text
 
 
-@pytest.mark.parametrize("text", ["héllo 😀 wörld 🎉🎉", "日本語のテキスト、中文文本。", "a\u200db👩‍👩‍👧"])
+@pytest.mark.parametrize(
+    "text", ["héllo 😀 wörld 🎉🎉", "日本語のテキスト、中文文本。", "a\u200db👩‍👩‍👧"]
+)
 def test_incremental_decoding_never_splits_characters(tok, text):
     ids = tok.encode(text)
     detok = tok.detokenizer()
