@@ -37,7 +37,7 @@ def test_prefill_then_decode_matches_full_forward(variant):
         every = torch.arange(len(tokens))
         logits = model.forward_cached(tokens, cache, batch, logits_index=every)
         start = 0
-        for s, n, f in zip(seqs, lengths, full):
+        for n, f in zip(lengths, full):
             torch.testing.assert_close(logits[start : start + n], f[:n], atol=1e-5, rtol=1e-4)
             start += n
         for step in range(steps):
