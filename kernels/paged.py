@@ -1,0 +1,216 @@
+"""Paged attention in Triton: new tokens against keys and values read through block tables.
+
+Contract: `kernels.reference.paged_attention_reference` (packed queries (N, H, D), pools
+(num_blocks, block_size, H, D), block tables, context lengths, query offsets; bottom-right causal).
+
+One program owns BLOCK_M new tokens of one sequence, one head and one split of the context. It
+walks its keys BLOCK_N at a time; each key's pool block comes from the block table, so a tile may
+span several (shuffled) pool blocks and the pool's block size need not divide BLOCK_N.
+
+Split-K (flash-decoding): a decode step has one query per sequence, so one program per
+(sequence, head) leaves most of a big GPU idle when the batch is small and contexts are long.
+The context is cut into splits of `split_size` keys; each program writes its normalised partial
+output and its log-sum-exp, and a merge kernel combines the splits. With one split the kernel
+writes the final output directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30  # finite start for the running max: fully masked tiles give 0, never NaN
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, KC, VC, TABLES, CTX_LENS, Q_START, OUT, LSE,
+    stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb,
+    stride_os, stride_on, stride_oh, stride_od,
+    stride_ls, stride_ln, stride_lh,
+    qk_scale, page_size, split_size, n_qblocks,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq = pid // n_qblocks
+    m0 = (pid % n_qblocks) * BLOCK_M  # first query row of this program within the sequence
+
+    q_start = tl.load(Q_START + seq)
+    q_len = tl.load(Q_START + seq + 1) - q_start
+    ctx = tl.load(CTX_LENS + seq)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within the sequence's new tokens
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)  # (BLOCK_M,) rows in the packed batch
+    q = tl.load(Q + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    q_pos = ctx - q_len + offs_m  # absolute position of each query: it sees keys 0 .. q_pos
+
+    # keys this program may need: up to the last real query's position, within its split
+    kv_end = ctx - q_len + tl.minimum(m0 + BLOCK_M, q_len)
+    kv_end = tl.where(m0 < q_len, kv_end, 0)
+    lo = split * split_size
+    hi = tl.minimum(kv_end, lo + split_size)
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = TABLES + seq.to(tl.int64) * stride_tb
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + offs_n  # (BLOCK_N,) key positions in the sequence
+        k_ok = kpos < hi
+        block = tl.load(table + kpos // page_size, mask=k_ok, other=0).to(tl.int64)
+        slot = (kpos % page_size).to(tl.int64)
+        k_row = block * stride_kb + slot * stride_ks + h * stride_kh  # (BLOCK_N,)
+        v_row = block * stride_vb + slot * stride_vs + h * stride_vh
+        # masked loads read 0: pool slots past the context may hold garbage (even NaN)
+        kt = tl.load(KC + k_row[None, :] + offs_d[:, None] * stride_kd,
+                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        ok = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # masked entries are exactly 0
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + v_row[:, None] + offs_d[None, :] * stride_vd,
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    # a row with no key in this split: output 0 and LSE -inf, so the merge gives it no weight
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    split64 = split.to(tl.int64)
+    tl.store(OUT + split64 * stride_os + rows[:, None] * stride_on + h * stride_oh
+             + offs_d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(LSE + split64 * stride_ls + rows * stride_ln + h * stride_lh, lse, mask=m_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PART, LSE, OUT, n_splits,
+    stride_ps, stride_pn, stride_ph, stride_pd,
+    stride_ls, stride_ln, stride_lh,
+    stride_on, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < n_splits
+    lse = tl.load(LSE + offs_s * stride_ls + n * stride_ln + h * stride_lh,
+                  mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # (BLOCK_S,)
+    part = tl.load(PART + offs_s[:, None] * stride_ps + n * stride_pn + h * stride_ph
+                   + offs_d[None, :] * stride_pd,
+                   mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (S, D)
+    denom = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # (BLOCK_D,)
+    tl.store(OUT + n * stride_on + h * stride_oh + offs_d * stride_od,
+             out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, none shorter than 256 keys."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * sms, max(programs, 1))
+    longest = triton.cdiv(max_ctx, max(256, block_n))
+    return max(1, min(want, longest, 64))
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    max_query_len: int | None = None,
+    split_size: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Paged attention, same contract as `paged_attention_reference`; returns (N, H, D).
+
+    Every sequence must have at least one new token. max_query_len (longest new-token run) saves
+    a device sync when the caller knows it; with N == B it is 1 without asking. split_size
+    (keys per split, rounded up to a multiple of block_n) overrides the split-K heuristic.
+    """
+    n_tokens, n_head, head_dim = q.shape
+    batch = context_lens.shape[0]
+    page_size = k_cache.shape[1]
+    if k_cache.shape[2:] != (n_head, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"pools {tuple(k_cache.shape)} do not match queries {tuple(q.shape)}")
+    if head_dim > 256:
+        raise ValueError(f"head dim {head_dim} > 256 is not supported")
+    out = torch.empty((n_tokens, n_head, head_dim), device=q.device, dtype=q.dtype)
+    if n_tokens == 0:
+        return out
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    if max_query_len is None:
+        max_query_len = 1 if n_tokens == batch else int((query_start[1:] - query_start[:-1]).max())
+    block_m = 16 if max_query_len <= 16 else min(64, triton.next_power_of_2(max_query_len))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    n_qblocks = triton.cdiv(max_query_len, block_m)
+    # the table width bounds every context without reading context_lens back from the device
+    max_ctx = block_tables.shape[1] * page_size
+    if split_size is None:
+        splits = _num_splits(batch * n_qblocks * n_head, max_ctx, block_n, q.device)
+        split_size = triton.cdiv(max_ctx, splits)
+    split_size = triton.cdiv(max(split_size, 1), block_n) * block_n
+    splits = triton.cdiv(max_ctx, split_size)
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    context_lens = context_lens.to(torch.int32)
+    query_start = query_start.to(torch.int32)
+
+    if splits == 1:
+        part, lse = out, out  # lse is never written with one split
+        part_strides = (0, *out.stride())
+        lse_strides = (0, 0, 0)
+    else:
+        part = torch.empty((splits, n_tokens, n_head, head_dim), device=q.device,
+                           dtype=torch.float32)
+        lse = torch.empty((splits, n_tokens, n_head), device=q.device, dtype=torch.float32)
+        part_strides = part.stride()
+        lse_strides = lse.stride()
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (batch * n_qblocks, n_head, splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, query_start, part, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *part_strides, *lse_strides,
+        scale * LOG2E, page_size, split_size, n_qblocks,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PREC=dot_prec, WRITE_LSE=splits > 1, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(n_tokens, n_head)](
+            part, lse, out, splits, *part.stride(), *lse.stride(), *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_D=block_d,
+        )
+    return out
