@@ -129,6 +129,20 @@ class KVCache:
         if blocks:
             self.allocator.free(blocks)
 
+    def fork(self, src: int, dst: int) -> None:
+        """Give new sequence dst a copy of src's cached tokens, in blocks of its own."""
+        if dst in self._tables:
+            raise ValueError(f"sequence {dst} already has blocks")
+        table = self._tables.get(src, [])
+        blocks = self.allocator.allocate(len(table))
+        if table:
+            old = torch.tensor(table, device=self.device)
+            new = torch.tensor(blocks, device=self.device)
+            self.k[:, new] = self.k[:, old]
+            self.v[:, new] = self.v[:, old]
+        self._tables[dst] = blocks
+        self._lens[dst] = self._lens.get(src, 0)
+
     def prepare(self, batch: Sequence[tuple[int, int]]) -> CacheBatch:
         """Reserve room for (seq_id, new_tokens) pairs and describe where they go.
 

@@ -1,0 +1,136 @@
+"""Drives the Engine from a background thread and hands each request's events to asyncio.
+
+The model never runs on the event loop. Requests and aborts are posted to the engine thread and
+applied between steps, so an abort frees its blocks before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from model.sampling import SamplingParams
+from server.engine import Engine
+from server.sequence import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._inbox: list[Callable[[], None]] = []
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: str | None = None  # why the engine thread stopped, if it did
+        self.on_step: Callable[[list[TokenEvent], float], None] | None = None
+        self.pending_adds = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + self.pending_adds
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        """Events of one request until all its n completions end. Closing the iterator aborts it."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        self.engine.check_request(prompt_ids, params)
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue, params.n)
+        self.pending_adds += 1
+        self._post(lambda: self._add(request_id, prompt_ids, params))
+        remaining = params.n
+        try:
+            while remaining:
+                event = await queue.get()
+                if event.finished:
+                    remaining -= 1
+                yield event
+        finally:
+            self._streams.pop(request_id, None)
+            if remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's sequences before the next engine step."""
+        self._post(lambda: self.engine.abort(request_id))
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.pending_adds -= 1
+        if request_id not in self._streams:  # the client left before the engine saw it
+            return
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except ValueError as exc:
+            self._deliver(
+                [TokenEvent(request_id, i, [], "", [], error=str(exc)) for i in range(params.n)]
+            )
+
+    def _post(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            self._inbox.append(command)
+        self._wake.set()
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                with self._lock:
+                    commands, self._inbox = self._inbox, []
+                for command in commands:
+                    command()
+                if self.engine.has_work():
+                    t0 = time.perf_counter()
+                    events = self.engine.step()
+                    self._deliver(events)
+                    if self.on_step is not None:
+                        self.on_step(events, time.perf_counter() - t0)
+                else:
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+        except BaseException as exc:  # keep the reason; every waiting client gets an error
+            log.exception("engine thread died")
+            self.dead = f"engine stopped: {exc}"
+            for rid, (_, _, n) in list(self._streams.items()):
+                self._deliver([TokenEvent(rid, i, [], "", [], error=self.dead) for i in range(n)])
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            target = self._streams.get(event.request_id)
+            if target is not None:
+                loop, queue, _ = target
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+                except RuntimeError:  # the loop closed under us (shutdown)
+                    pass

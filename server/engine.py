@@ -1,0 +1,294 @@
+"""The engine: requests in, token events out, one batched model step at a time.
+
+`Engine.step()` asks the scheduler for the step's work (decodes plus prefill chunks), runs one
+packed forward over the paged KV cache, samples every sequence that needs a token, and returns the
+events. It is synchronous and single-threaded; `server.async_engine` drives it from a thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from model.cache import KVCache, OutOfBlocks
+from model.gpt import GPT
+from model.sampling import SampleRow, SamplingParams, prompt_logprobs, sample
+from model.tokenizer import Tokenizer
+from server.scheduler import Scheduler
+from server.sequence import Sequence, TokenEvent, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` names the field at fault, `code` the kind."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32  # sequences decoding together
+    max_batch_tokens: int = 512  # tokens per step (prefill chunk size bound)
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None: enough for max_num_seqs full contexts, within kv_cache_bytes
+    kv_cache_bytes: int = 2 << 30
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    forked: bool = False
+    prompt_lp: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_lp_sent: bool = False
+
+
+class Engine:
+    def __init__(self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        mc = model.config
+        self.max_len = mc.block_size
+        param = next(model.parameters())
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            per_block = KVCache.bytes_per_block(
+                mc.n_layer, mc.n_head, mc.head_dim, config.block_size, param.dtype
+            )
+            full = config.max_num_seqs * -(-self.max_len // config.block_size)
+            num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
+        self.cache = model.make_cache(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
+        self.eos = tokenizer.eot_token
+        self.device = param.device
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_failed_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises RequestError or SamplingError if it can never run."""
+        if request_id in self._requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        self.check_request(prompt_ids, params)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, self.tokenizer)
+            for i in range(params.n)
+        ]
+        self._requests[request_id] = _Request(request_id, list(prompt_ids), params, seqs)
+        self.scheduler.add(seqs[0])
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError or SamplingError if the request can never run; reads no mutable state."""
+        vocab = self.model.config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if any(not (0 <= t < vocab) for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_len} tokens; the request "
+                f"asks for {len(prompt_ids)} prompt tokens plus {params.max_tokens} to generate",
+                param="max_tokens" if len(prompt_ids) < self.max_len else "prompt",
+                code="context_length_exceeded",
+            )
+        need = -(-total // self.config.block_size)
+        if need > self.cache.num_blocks:
+            raise RequestError(
+                f"the request needs {need} KV cache blocks but the pool has "
+                f"{self.cache.num_blocks}; ask for fewer tokens",
+                param="max_tokens",
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks at once; False if it is unknown or finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.remove(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(
+            len(r.seqs) - 1 for r in self._requests.values() if not r.forked
+        )
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.cache.num_free_blocks / self.cache.num_blocks
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Run one batched forward and return the events it produced."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return self._fail(list(self.scheduler.running), "the request does not fit the KV cache")
+        try:
+            return self._run(batch.items)
+        except Exception as exc:  # a failed step fails only its own requests
+            self.num_failed_steps += 1
+            log.exception("engine step failed")
+            return self._fail([s for s, _ in batch.items], f"model step failed: {exc}")
+
+    def _run(self, items: list[tuple[Sequence, int]]) -> list[TokenEvent]:
+        cache_batch = self.cache.prepare([(s.seq_id, n) for s, n in items])
+        tokens: list[int] = []
+        rows: list[int] = []  # packed positions that get logits
+        plan = []  # (seq, first logits row, number of rows, samples?)
+        for seq, n in items:
+            req = self._requests[seq.request_id]
+            start = len(tokens)
+            tokens.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
+            completes = seq.num_cached + n == len(seq.token_ids)
+            scoring = req.params.prompt_logprobs is not None and not req.prompt_lp_sent
+            scoring = scoring and seq.index == 0 and seq.num_generated == 0
+            first = len(rows)
+            if scoring:
+                rows.extend(range(start, start + n))
+            elif completes:
+                rows.append(start + n - 1)
+            plan.append((seq, n, first, len(rows) - first, completes, scoring))
+        with torch.inference_mode():
+            logits = self.model.forward_cached(
+                torch.tensor(tokens, device=self.device),
+                self.cache,
+                cache_batch,
+                logits_index=torch.tensor(rows, device=self.device),
+            )  # (len(rows), V)
+        logits = logits.float().cpu()
+
+        events: list[TokenEvent] = []
+        to_sample: list[tuple[Sequence, int]] = []  # (sequence, logits row)
+        for seq, n, first, count, completes, scoring in plan:
+            req = self._requests[seq.request_id]
+            if scoring:
+                self._score_prompt(req, seq.num_cached, logits[first : first + count])
+            seq.num_cached += n
+            if not completes:
+                continue
+            last = first + count - 1
+            if req.params.max_tokens == 0:
+                events.extend(self._finish_unsampled(req))
+                continue
+            to_sample.append((seq, last))
+            if not req.forked and seq.index == 0:
+                req.forked = True
+                to_sample.extend((child, last) for child in self._fork(req))
+        if to_sample:
+            events.extend(self._sample(to_sample, logits))
+        return events
+
+    def _score_prompt(self, req: _Request, start: int, logits: torch.Tensor) -> None:
+        """Record logprobs of prompt tokens start+1 .. predicted by logits (n, V)."""
+        if start == 0:
+            req.prompt_lp = [None]
+        n = min(len(logits), len(req.prompt_ids) - 1 - start)
+        if n > 0:
+            nxt = torch.tensor(req.prompt_ids[start + 1 : start + 1 + n])
+            chosen, top_ids, top_lp = prompt_logprobs(logits[:n], nxt, req.params.prompt_logprobs)
+            for tok, lp, ids, lps in zip(nxt.tolist(), chosen, top_ids, top_lp):
+                req.prompt_lp.append(TokenLogprob(tok, lp, list(zip(ids, lps))))
+
+    def _fork(self, req: _Request) -> list[Sequence]:
+        """After the shared prefill, give the other n - 1 completions a copy of its cache."""
+        parent = req.seqs[0]
+        children = []
+        for child in req.seqs[1:]:
+            try:
+                self.cache.fork(parent.seq_id, child.seq_id)
+            except OutOfBlocks:  # no room to copy: it recomputes the prompt when admitted
+                self.scheduler.add(child)
+                continue
+            child.num_cached = parent.num_cached
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _sample(self, work: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[TokenEvent]:
+        rows = [
+            SampleRow(s.params, s.token_ids[: s.num_prompt], s.output_ids, s.generator, self.eos)
+            for s, _ in work
+        ]
+        out = sample(logits[[r for _, r in work]], rows)
+        events = []
+        for i, (seq, _) in enumerate(work):
+            req = self._requests[seq.request_id]
+            token = out.tokens[i]
+            text = seq.append(token, self.eos, self.max_len)
+            lps = []
+            if seq.params.logprobs is not None:
+                top = list(zip(out.top_ids[i], out.top_logprobs[i]))
+                lps = [TokenLogprob(token, out.logprobs[i], top)]
+            events.append(self._event(req, seq, [token], text, lps, seq.finish_reason))
+            if seq.finished:
+                self._retire(req, seq)
+        return events
+
+    def _finish_unsampled(self, req: _Request) -> list[TokenEvent]:
+        """max_tokens 0 (prompt scoring): every completion ends after the prefill."""
+        events = []
+        for seq in req.seqs:
+            seq.finish_reason = "length"
+            events.append(self._event(req, seq, [], "", [], "length"))
+            self._retire(req, seq)
+        return events
+
+    def _event(
+        self,
+        req: _Request,
+        seq: Sequence,
+        token_ids: list[int],
+        text: str,
+        lps: list[TokenLogprob],
+        finish: str | None,
+        error: str | None = None,
+    ) -> TokenEvent:
+        event = TokenEvent(
+            req.request_id, seq.index, token_ids, text, lps, finish, error,
+            num_prompt_tokens=len(req.prompt_ids), num_generated=seq.num_generated,
+        )  # fmt: skip
+        if req.params.prompt_logprobs is not None and not req.prompt_lp_sent and seq.index == 0:
+            event.prompt_logprobs = req.prompt_lp
+            req.prompt_lp_sent = True
+        return event
+
+    def _retire(self, req: _Request, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if all(s.finished for s in req.seqs):
+            self._requests.pop(req.request_id, None)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> list[TokenEvent]:
+        """End every request that has a sequence in seqs with an error event per completion."""
+        events = []
+        for rid in dict.fromkeys(s.request_id for s in seqs):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    events.append(self._event(req, seq, [], "", [], None, error=message))
+            self.abort(rid)
+        return events

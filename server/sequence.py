@@ -1,0 +1,138 @@
+"""One completion being generated: its tokens, its text, and when it stops.
+
+Text that might still turn out to be the start of a stop string is held back, so a stop string
+split across tokens never leaks into the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+
+
+@dataclass
+class TokenLogprob:
+    """A token with its logprob and the top alternatives as (token, logprob) pairs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TokenEvent:
+    """What one completion produced in one engine step.
+
+    text is the newly released text (it may lag the tokens while a stop string could be forming).
+    finish_reason is "stop", "length" or "abort" on the last event of a completion; error is set
+    when the request failed (the completion is then over too).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class Sequence:
+    """Prompt plus generated tokens of one of a request's n completions."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.num_cached = 0  # tokens whose keys/values are in the KV cache
+        self.generator: torch.Generator | None = params.make_generator(index)
+        self.finish_reason: str | None = None
+        self._tokenizer = tokenizer
+        self._detok = tokenizer.detokenizer()
+        self._text = ""  # all text decoded so far
+        self._released = 0  # characters of _text already handed out
+        self._hold = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache (the whole prompt at first, then the last sampled token)."""
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, eos_token: int, max_len: int) -> str:
+        """Add a sampled token; returns the text it releases and sets finish_reason when done."""
+        p = self.params
+        self.token_ids.append(token)
+        n_out = self.num_generated
+        if token in p.stop_token_ids or (token == eos_token and not p.ignore_eos):
+            self.finish_reason = "stop"
+            return self._release(self._text[self._released :])  # the stop token adds no text
+        self._text += self._detok.add(token)
+        if p.stop:
+            cut = self._find_stop()
+            if cut is not None:
+                self.finish_reason = "stop"
+                self._text = self._text[:cut]
+                return self._release(self._text[self._released :])
+        if n_out >= p.max_tokens or len(self.token_ids) >= max_len:
+            self.finish_reason = "length"
+            self._text += self._detok.flush()
+            return self._release(self._text[self._released :])
+        return self._release(self._text[self._released : len(self._text) - self._held_back()])
+
+    def _find_stop(self) -> int | None:
+        """Index in _text where the earliest stop string begins, searching only new text."""
+        start = max(0, self._released - self._hold)
+        hits = [i for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of _text that could begin a stop string."""
+        text = self._text
+        for n in range(min(self._hold - 1, len(text) - self._released), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.params.stop):
+                return n
+        return 0
+
+    def _release(self, piece: str) -> str:
+        self._released += len(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        """Text handed out so far."""
+        return self._text[: self._released]
