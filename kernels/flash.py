@@ -31,10 +31,29 @@ NEG_BIG = -1.0e30
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K, V, stride_kt, stride_kd, stride_vt, stride_vd,
-    offs_n, offs_d, q_pos, lo, hi, TK, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    stride_kt,
+    stride_kd,
+    stride_vt,
+    stride_vd,
+    offs_n,
+    offs_d,
+    q_pos,
+    lo,
+    hi,
+    TK,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         kn = start_n + offs_n  # (BLOCK_N,)
@@ -45,8 +64,9 @@ def _fwd_tiles(
         else:
             kt_mask = kv_ok[None, :] & (offs_d[:, None] < HEAD_DIM)
             v_mask = kv_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-        kt = tl.load(K + offs_d[:, None] * stride_kd + kn[None, :] * stride_kt,
-                     mask=kt_mask, other=0.0)  # (BLOCK_D, BLOCK_N)
+        kt = tl.load(
+            K + offs_d[:, None] * stride_kd + kn[None, :] * stride_kt, mask=kt_mask, other=0.0
+        )  # (BLOCK_D, BLOCK_N)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             ok = kv_ok[None, :]
@@ -57,8 +77,9 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kn[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                    mask=v_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            V + kn[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=v_mask, other=0.0
+        )  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -66,14 +87,37 @@ def _fwd_tiles(
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_kt, stride_kd,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_ob, stride_oh, stride_ot, stride_od,
-    H, TQ, TK, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    H,
+    TQ,
+    TK,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -93,8 +137,9 @@ def _flash_fwd_kernel(
         q_mask = row_ok[:, None]
     else:
         q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(
+        Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0
+    )  # (BLOCK_M, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -112,30 +157,84 @@ def _flash_fwd_kernel(
         n_full = full_tk
         hi = TK
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, K, V, stride_kt, stride_kd, stride_vt, stride_vd,
-        offs_n, offs_d, q_pos, 0, n_full, TK, qk_scale,
-        False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, DOT_PREC,
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        stride_kt,
+        stride_kd,
+        stride_vt,
+        stride_vd,
+        offs_n,
+        offs_d,
+        q_pos,
+        0,
+        n_full,
+        TK,
+        qk_scale,
+        False,
+        CAUSAL,
+        EVEN_D,
+        HEAD_DIM,
+        BLOCK_N,
+        DOT_PREC,
     )
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, K, V, stride_kt, stride_kd, stride_vt, stride_vd,
-        offs_n, offs_d, q_pos, n_full, hi, TK, qk_scale,
-        True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, DOT_PREC,
+        acc,
+        l_i,
+        m_i,
+        q,
+        K,
+        V,
+        stride_kt,
+        stride_kd,
+        stride_vt,
+        stride_vd,
+        offs_n,
+        offs_d,
+        q_pos,
+        n_full,
+        hi,
+        TK,
+        qk_scale,
+        True,
+        CAUSAL,
+        EVEN_D,
+        HEAD_DIM,
+        BLOCK_N,
+        DOT_PREC,
     )
     # rows that saw no key at all (only possible when causal and TQ > TK) give 0, not NaN
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(LSE + bh.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_i), mask=row_ok)
-    tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(
+        O + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
+        out.to(O.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_ot, stride_od,
-    stride_db, stride_dh, stride_dt, stride_dd,
-    H, TQ,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    stride_db,
+    stride_dh,
+    stride_dt,
+    stride_dd,
+    H,
+    TQ,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -144,24 +243,65 @@ def _bwd_preprocess_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < TQ) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh
-                + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh
-                 + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=mask, other=0.0)
+    o = tl.load(
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + offs_m[:, None] * stride_ot
+        + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO
+        + b * stride_db
+        + h * stride_dh
+        + offs_m[:, None] * stride_dt
+        + offs_d[None, :] * stride_dd,
+        mask=mask,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
     tl.store(DELTA + bh.to(tl.int64) * TQ + offs_m, delta, mask=offs_m < TQ)
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_kt, stride_kd,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_db, stride_dh, stride_dt, stride_dd,
-    H, TQ, TK, sm_scale, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    stride_db,
+    stride_dh,
+    stride_dt,
+    stride_dd,
+    H,
+    TQ,
+    TK,
+    sm_scale,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
@@ -181,10 +321,12 @@ def _bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     n_ok = offs_n < TK
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
+    k = tl.load(
+        K + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+    )  # (BLOCK_N, BLOCK_D)
+    v = tl.load(
+        V + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -197,10 +339,12 @@ def _bwd_dkdv_kernel(
         offs_m = start_m + offs_m0
         m_ok = offs_m < TQ
         qd_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                    mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-        do = tl.load(DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd,
-                     mask=qd_mask, other=0.0)
+        q = tl.load(
+            Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0
+        )  # (BLOCK_M, BLOCK_D)
+        do = tl.load(
+            DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=qd_mask, other=0.0
+        )
         lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)  # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
@@ -213,22 +357,54 @@ def _bwd_dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
     dk *= sm_scale
-    tl.store(DK + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(
+        DK + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_kt, stride_kd,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    stride_db, stride_dh, stride_dt, stride_dd,
-    H, TQ, TK, sm_scale, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    stride_db,
+    stride_dh,
+    stride_dt,
+    stride_dd,
+    H,
+    TQ,
+    TK,
+    sm_scale,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -246,10 +422,12 @@ def _bwd_dq_kernel(
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < TQ
     qd_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd,
-                 mask=qd_mask, other=0.0)
+    q = tl.load(
+        Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0
+    )  # (BLOCK_M, BLOCK_D)
+    do = tl.load(
+        DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=qd_mask, other=0.0
+    )
     lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -262,10 +440,12 @@ def _bwd_dq_kernel(
         offs_n = start_n + offs_n0
         n_ok = offs_n < TK
         kv_mask = n_ok[None, :] & d_ok[:, None]
-        kt = tl.load(K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt,
-                     mask=kv_mask, other=0.0)  # (BLOCK_D, BLOCK_N)
-        vt = tl.load(V + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt,
-                     mask=kv_mask, other=0.0)
+        kt = tl.load(
+            K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt, mask=kv_mask, other=0.0
+        )  # (BLOCK_D, BLOCK_N)
+        vt = tl.load(
+            V + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt, mask=kv_mask, other=0.0
+        )
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
         ok = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
@@ -275,8 +455,11 @@ def _bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
     dq *= sm_scale
-    tl.store(DQ + row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=qd_mask)
+    tl.store(
+        DQ + row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=qd_mask,
+    )
 
 
 def _fwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -317,10 +500,27 @@ class _FlashAttention(torch.autograd.Function):
         lse = torch.empty((B * H, TQ), device=q.device, dtype=torch.float32)  # base-2 LSE
         grid = (triton.cdiv(TQ, block_m), B * H)
         _flash_fwd_kernel[grid](
-            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            H, TQ, TK, sm_scale * LOG2E,
-            CAUSAL=causal, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *o.stride(),
+            H,
+            TQ,
+            TK,
+            sm_scale * LOG2E,
+            CAUSAL=causal,
+            HEAD_DIM=D,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            DOT_PREC=_dot_precision(q.dtype),
+            num_warps=warps,
+            num_stages=stages,
         )
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -339,15 +539,29 @@ class _FlashAttention(torch.autograd.Function):
         block_d = max(16, triton.next_power_of_2(D))
         delta = torch.empty_like(lse)  # (B * H, TQ) fp32
         _bwd_preprocess_kernel[(triton.cdiv(TQ, block_m), B * H)](
-            o, do, delta, *o.stride(), *do.stride(), H, TQ,
-            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=block_d,
+            o,
+            do,
+            delta,
+            *o.stride(),
+            *do.stride(),
+            H,
+            TQ,
+            HEAD_DIM=D,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
         )
         dq = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)
         dk = torch.empty((B, H, TK, D), device=k.device, dtype=k.dtype)
         dv = torch.empty((B, H, TK, D), device=v.device, dtype=v.dtype)
         common = dict(
-            CAUSAL=ctx.causal, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+            CAUSAL=ctx.causal,
+            HEAD_DIM=D,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            DOT_PREC=_dot_precision(q.dtype),
+            num_warps=warps,
+            num_stages=stages,
         )
         strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
         scales = (H, TQ, TK, ctx.sm_scale, ctx.sm_scale * LOG2E)
@@ -378,7 +592,9 @@ def triton_flash_attention(
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, H, T, D)")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"incompatible shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+        raise ValueError(
+            f"incompatible shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError("q, k, v must share a dtype")
     if q.shape[3] > 256:

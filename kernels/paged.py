@@ -28,16 +28,43 @@ NEG_BIG = -1.0e30  # finite start for the running max: fully masked tiles give 0
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, KC, VC, TABLES, CTX_LENS, Q_START, OUT, LSE,
-    stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    Q,
+    KC,
+    VC,
+    TABLES,
+    CTX_LENS,
+    Q_START,
+    OUT,
+    LSE,
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
     stride_tb,
-    stride_os, stride_on, stride_oh, stride_od,
-    stride_ls, stride_ln, stride_lh,
-    qk_scale, page_size, split_size, n_qblocks,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, WRITE_LSE: tl.constexpr,
+    stride_os,
+    stride_on,
+    stride_oh,
+    stride_od,
+    stride_ls,
+    stride_ln,
+    stride_lh,
+    qk_scale,
+    page_size,
+    split_size,
+    n_qblocks,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -55,8 +82,11 @@ def _paged_attn_kernel(
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)  # (BLOCK_M,) rows in the packed batch
-    q = tl.load(Q + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(
+        Q + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
     q_pos = ctx - q_len + offs_m  # absolute position of each query: it sees keys 0 .. q_pos
 
     # keys this program may need: up to the last real query's position, within its split
@@ -77,8 +107,11 @@ def _paged_attn_kernel(
         k_row = block * stride_kb + slot * stride_ks + h * stride_kh  # (BLOCK_N,)
         v_row = block * stride_vb + slot * stride_vs + h * stride_vh
         # masked loads read 0: pool slots past the context may hold garbage (even NaN)
-        kt = tl.load(KC + k_row[None, :] + offs_d[:, None] * stride_kd,
-                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        kt = tl.load(
+            KC + k_row[None, :] + offs_d[:, None] * stride_kd,
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_N)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         ok = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
         s = tl.where(ok, s, float("-inf"))
@@ -86,8 +119,11 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # masked entries are exactly 0
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + v_row[:, None] + offs_d[None, :] * stride_vd,
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            VC + v_row[:, None] + offs_d[None, :] * stride_vd,
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -95,9 +131,15 @@ def _paged_attn_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     split64 = split.to(tl.int64)
-    tl.store(OUT + split64 * stride_os + rows[:, None] * stride_on + h * stride_oh
-             + offs_d[None, :] * stride_od,
-             out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(
+        OUT
+        + split64 * stride_os
+        + rows[:, None] * stride_on
+        + h * stride_oh
+        + offs_d[None, :] * stride_od,
+        out.to(OUT.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
     if WRITE_LSE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(LSE + split64 * stride_ls + rows * stride_ln + h * stride_lh, lse, mask=m_ok)
@@ -105,29 +147,51 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    PART, LSE, OUT, n_splits,
-    stride_ps, stride_pn, stride_ph, stride_pd,
-    stride_ls, stride_ln, stride_lh,
-    stride_on, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PART,
+    LSE,
+    OUT,
+    n_splits,
+    stride_ps,
+    stride_pn,
+    stride_ph,
+    stride_pd,
+    stride_ls,
+    stride_ln,
+    stride_lh,
+    stride_on,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < n_splits
-    lse = tl.load(LSE + offs_s * stride_ls + n * stride_ln + h * stride_lh,
-                  mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    lse = tl.load(
+        LSE + offs_s * stride_ls + n * stride_ln + h * stride_lh, mask=s_ok, other=float("-inf")
+    )  # (BLOCK_S,)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # (BLOCK_S,)
-    part = tl.load(PART + offs_s[:, None] * stride_ps + n * stride_pn + h * stride_ph
-                   + offs_d[None, :] * stride_pd,
-                   mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # (S, D)
+    part = tl.load(
+        PART
+        + offs_s[:, None] * stride_ps
+        + n * stride_pn
+        + h * stride_ph
+        + offs_d[None, :] * stride_pd,
+        mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # (S, D)
     denom = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # (BLOCK_D,)
-    tl.store(OUT + n * stride_on + h * stride_oh + offs_d * stride_od,
-             out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        OUT + n * stride_on + h * stride_oh + offs_d * stride_od,
+        out.to(OUT.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def _num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
@@ -192,25 +256,53 @@ def triton_paged_attention(
         part_strides = (0, *out.stride())
         lse_strides = (0, 0, 0)
     else:
-        part = torch.empty((splits, n_tokens, n_head, head_dim), device=q.device,
-                           dtype=torch.float32)
+        part = torch.empty(
+            (splits, n_tokens, n_head, head_dim), device=q.device, dtype=torch.float32
+        )
         lse = torch.empty((splits, n_tokens, n_head), device=q.device, dtype=torch.float32)
         part_strides = part.stride()
         lse_strides = lse.stride()
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (batch * n_qblocks, n_head, splits)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start, part, lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-        *part_strides, *lse_strides,
-        scale * LOG2E, page_size, split_size, n_qblocks,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PREC=dot_prec, WRITE_LSE=splits > 1, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start,
+        part,
+        lse,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *part_strides,
+        *lse_strides,
+        scale * LOG2E,
+        page_size,
+        split_size,
+        n_qblocks,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PREC=dot_prec,
+        WRITE_LSE=splits > 1,
+        num_warps=4 if block_d <= 64 else 8,
+        num_stages=2,
     )
     if splits > 1:
         _merge_splits_kernel[(n_tokens, n_head)](
-            part, lse, out, splits, *part.stride(), *lse.stride(), *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            part,
+            lse,
+            out,
+            splits,
+            *part.stride(),
+            *lse.stride(),
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
             BLOCK_D=block_d,
         )
     return out

@@ -1,0 +1,141 @@
+"""Triton paged attention against `paged_attention_reference`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
+
+from kernel_testing import TOLERANCE, rel_error  # noqa: E402
+
+from kernels.paged import triton_paged_attention  # noqa: E402
+from kernels.reference import paged_attention_reference  # noqa: E402
+
+
+def _paged_batch(ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0):
+    """Pools full of NaN except the slots the sequences own, in shuffled pool blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in ctx_lens]
+    num_blocks = sum(pages) + 3  # a few blocks nobody owns
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    shape = (num_blocks, page_size, n_head, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    tables = []
+    for n, n_pages in zip(ctx_lens, pages):
+        blocks, order = order[:n_pages], order[n_pages:]
+        for pos in range(n):
+            k_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
+                n_head, head_dim, generator=gen
+            )
+            v_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
+                n_head, head_dim, generator=gen
+            )
+        tables.append(blocks)
+    width = max(len(t) for t in tables) + 1  # wider than needed, padded with block 0
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(query_start[-1]), n_head, head_dim, generator=gen)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    return tuple(
+        t.to(device, dtype) if t.is_floating_point() else t.to(device)
+        for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)
+    )
+
+
+def _check(args, dtype, **kw):
+    out = triton_paged_attention(*args, **kw)  # (N, H, D)
+    ref = paged_attention_reference(*args)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "garbage or a fully masked tile leaked into the output"
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+    return out
+
+
+# decode (1 new token), prefill (all tokens new) and extend (some cached, some new) in one launch,
+# with contexts from 1 to 150 tokens
+MIXED = dict(ctx_lens=[1, 150, 9, 40, 33], q_lens=[1, 1, 9, 17, 33])
+
+
+@pytest.mark.parametrize("split_size", [None, 16, 48], ids=["one-split", "split16", "split48"])
+def test_mixed_decode_and_prefill(split_size, dtype, device):
+    args = _paged_batch(**MIXED, page_size=8, n_head=2, head_dim=48, dtype=dtype, device=device)
+    _check(args, dtype, split_size=split_size, block_n=16)
+
+
+@pytest.mark.parametrize("page_size", [5, 16, 32], ids=lambda p: f"page{p}")
+def test_page_sizes_that_do_not_match_the_tile(page_size, device):
+    # page 5 does not divide the 16-key tile; page 32 is larger than it
+    args = _paged_batch(
+        **MIXED,
+        page_size=page_size,
+        n_head=2,
+        head_dim=80,
+        dtype=torch.float32,
+        device=device,
+        seed=1,
+    )
+    _check(args, torch.float32, split_size=32, block_n=16)
+
+
+def test_decode_batch_with_long_contexts_split(dtype, device):
+    # N == B: the decode path plans without reading lengths back; 10 splits of 32 keys
+    args = _paged_batch(
+        ctx_lens=[300, 2, 77, 161],
+        q_lens=[1, 1, 1, 1],
+        page_size=16,
+        n_head=2,
+        head_dim=64,
+        dtype=dtype,
+        device=device,
+        seed=2,
+    )
+    _check(args, dtype, split_size=32, block_n=32)
+
+
+def test_long_prefill_spans_query_blocks(device):
+    # 70 new tokens after 30 cached: several query blocks; rows early in the block see no key in
+    # later splits, which must give weight 0 in the merge and no NaN
+    args = _paged_batch(
+        ctx_lens=[100, 3],
+        q_lens=[70, 2],
+        page_size=8,
+        n_head=1,
+        head_dim=16,
+        dtype=torch.float32,
+        device=device,
+        seed=3,
+    )
+    _check(args, torch.float32, split_size=16, block_n=16)
+
+
+def test_strided_queries_and_explicit_max_query_len(device):
+    # the model passes q as a view of the fused qkv projection
+    q, k_cache, v_cache, tables, ctx, starts = _paged_batch(
+        **MIXED, page_size=8, n_head=2, head_dim=48, dtype=torch.float32, device=device, seed=4
+    )
+    qkv = torch.cat([q, torch.randn_like(q), torch.randn_like(q)], dim=1)  # (N, 3H, D)
+    q_view = qkv[:, :2]
+    assert not q_view.is_contiguous()
+    args = (q_view, k_cache, v_cache, tables, ctx, starts)
+    _check(args, torch.float32, max_query_len=33)
+
+
+def test_default_split_heuristic_and_scale(device):
+    args = _paged_batch(
+        ctx_lens=[64, 200],
+        q_lens=[1, 5],
+        page_size=16,
+        n_head=3,
+        head_dim=32,
+        dtype=torch.float32,
+        device=device,
+        seed=5,
+    )
+    out = triton_paged_attention(*args, sm_scale=0.3)
+    ref = paged_attention_reference(*args, sm_scale=0.3)
+    assert rel_error(out, ref) < 1e-3
