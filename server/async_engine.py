@@ -67,7 +67,8 @@ class AsyncEngine:
         self.engine.check_request(prompt_ids, params)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue, params.n)
-        self.pending_adds += 1
+        with self._lock:  # += and -= from two threads would lose updates
+            self.pending_adds += 1
         self._post(lambda: self._add(request_id, prompt_ids, params))
         remaining = params.n
         try:
@@ -86,7 +87,8 @@ class AsyncEngine:
         self._post(lambda: self.engine.abort(request_id))
 
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.pending_adds -= 1
+        with self._lock:
+            self.pending_adds -= 1
         if request_id not in self._streams:  # the client left before the engine saw it
             return
         try:

@@ -131,8 +131,9 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
+        # list(): other threads read this while the engine thread adds and retires requests
         return len(self.scheduler.waiting) + sum(
-            len(r.seqs) - 1 for r in self._requests.values() if not r.forked
+            len(r.seqs) - 1 for r in list(self._requests.values()) if not r.forked
         )
 
     @property

@@ -1,0 +1,220 @@
+"""The FastAPI application: `create_app(settings)` builds one; `python -m server` runs one.
+
+Besides the OpenAI routes (server.openai_api) it serves /health, /metrics, /v1/models,
+/tokenize, /detokenize and the playground (server/static) at /. A plain ASGI gate in front of
+everything enforces the concurrency cap, API keys and the body-size limit before any body is parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, bad_request, install_error_handlers
+from server.generate import ClientGone
+from server.metrics import Metrics
+from server.openai_api import router as openai_router
+from server.params import check_model, encode_text
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.settings import Settings
+from server.state import LoadedModel, ServerState
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+_AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class Gate:
+    """ASGI middleware: concurrency cap, Bearer auth on the API paths, and the body-size limit.
+
+    The body is read here (at most max_body_bytes) and replayed to the app, so an oversized body
+    is refused with 413 whether or not it declared its Content-Length.
+    """
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.keys = [k.encode() for k in settings.api_keys]
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.settings.max_concurrent_requests:
+            err = APIError(
+                503,
+                "too many concurrent requests; retry later",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+            await err.response()(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self._handle(scope, receive, send)
+        finally:
+            self.active -= 1
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        if self.keys and path.startswith(_AUTH_PREFIXES) and not self._authorized(scope):
+            err = APIError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                code="invalid_api_key",
+            )
+            await err.response()(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.settings.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await bad_request("invalid Content-Length header").response()(scope, receive, send)
+                return
+            if int(declared) > limit:
+                await _too_large(limit).response()(scope, receive, send)
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _too_large(limit).response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        ok = False
+        for key in self.keys:  # every key is compared, in constant time
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: only http.disconnect
+
+    return replay
+
+
+def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
+    """An app for these settings; with `loaded` it serves that model, else it loads one at startup
+    in a thread (while /health answers 503 "loading")."""
+    settings.validate()
+    metrics = Metrics()
+    state = ServerState(settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if loaded is not None:
+            state.start(loaded)
+        else:
+            threading.Thread(target=state.load_and_start, name="model-loader", daemon=True).start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.stop)
+
+    app = FastAPI(
+        title="gptserve",
+        description="OpenAI-compatible text generation (see docs/API.md).",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted
+
+    app.include_router(openai_router)
+    _add_routes(app, state)
+    if STATIC_DIR.is_dir():
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.add_middleware(Gate, settings=settings)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        state.require_ready()
+        card = {
+            "id": state.loaded.name,
+            "object": "model",
+            "created": started,
+            "owned_by": "gptserve",
+            "max_model_len": state.engine.max_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.require_ready()
+        check_model(body.model, state.loaded.name)
+        tokens = encode_text(state.loaded.tokenizer, body.prompt, "prompt") if body.prompt else []
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.require_ready()
+        check_model(body.model, state.loaded.name)
+        tok = state.loaded.tokenizer
+        if any(not tok.is_valid(t) for t in body.tokens):
+            raise bad_request(f"token ids must be in [0, {tok.vocab_size})", "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        index = STATIC_DIR / "index.html"
+        if not index.is_file():
+            raise APIError(
+                404, "no playground is installed (server/static/index.html)", code="not_found"
+            )
+        return FileResponse(index)

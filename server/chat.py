@@ -1,0 +1,95 @@
+"""The plain-text chat template: messages -> one prompt string, plus the chat's default stop strings.
+
+The default renders each message as "{Role}: {content}" on its own line and ends with
+"Assistant:", so the model continues the assistant's turn; generation stops at "\\nUser:".
+A checkpoint may carry its own `chat_template.txt` (format in docs/API.md): sections separated by
+a line holding only `---`: the per-message template, the generation prefix, and optionally stop
+strings (one a line, `\\n` written as backslash-n).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEMPLATE_FILE = "chat_template.txt"
+ROLE_NAMES = {
+    "system": "System",
+    "developer": "System",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool",
+}
+
+
+class ChatTemplateError(ValueError):
+    """A chat_template.txt that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    message: str = "{Role}: {content}\n"
+    prefix: str = "Assistant:"
+    stop: tuple[str, ...] = field(default=("\nUser:",))
+
+    def render(self, messages: list[tuple[str, str]]) -> str:
+        """(role, content) pairs -> the prompt; {role} is the raw role, {Role} its display name."""
+        parts = []
+        for role, content in messages:
+            values = {"role": role, "Role": ROLE_NAMES.get(role, role.title()), "content": content}
+            parts.append(_fill(self.message, values))
+        return "".join(parts) + self.prefix
+
+    @classmethod
+    def parse(cls, text: str) -> ChatTemplate:
+        sections = _split_sections(text)
+        if len(sections) not in (2, 3):
+            raise ChatTemplateError(
+                "chat_template.txt needs 2 or 3 sections separated by '---' lines "
+                "(message template, generation prefix, optional stop strings)"
+            )
+        message, prefix = sections[0], sections[1]
+        if "{content}" not in message:
+            raise ChatTemplateError("the message template has no {content} placeholder")
+        stop: tuple[str, ...] = ()
+        if len(sections) == 3:
+            stop = tuple(
+                line.replace("\\n", "\n") for line in sections[2].split("\n") if line.strip()
+            )
+        return cls(message=message, prefix=prefix, stop=stop)
+
+    @classmethod
+    def for_checkpoint(cls, directory: Path | None) -> ChatTemplate:
+        """The checkpoint's chat_template.txt if it has one, else the default."""
+        if directory is None or not (directory / TEMPLATE_FILE).is_file():
+            return cls()
+        path = directory / TEMPLATE_FILE
+        try:
+            return cls.parse(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"cannot read {path}: {exc}") from None
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(f"{path}: {exc}") from None
+
+
+def _split_sections(text: str) -> list[str]:
+    """Split at lines that are exactly '---'; each section loses the newline before the separator."""
+    sections: list[list[str]] = [[]]
+    for line in text.split("\n"):
+        if line.rstrip("\r") == "---":
+            sections.append([])
+        else:
+            sections[-1].append(line)
+    out = ["\n".join(lines) for lines in sections]
+    if out and out[-1].endswith("\n"):  # the file's final newline is not part of the template
+        out[-1] = out[-1][:-1]
+    return out
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    """Replace {role}, {Role} and {content} without str.format (content may contain braces)."""
+    out = template
+    for key in ("role", "Role"):
+        out = out.replace("{" + key + "}", values[key])
+    head, sep, tail = out.partition("{content}")
+    return head + values["content"] + tail.replace("{content}", values["content"]) if sep else out

@@ -1,0 +1,329 @@
+"""POST /v1/completions and /v1/chat/completions, answered whole or streamed as server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from model.sampling import SamplingParams
+from server.async_engine import AsyncEngine, EngineDeadError
+from server.errors import APIError, bad_request, error_body
+from server.generate import Choice, ClientGone, RequestTimeout, Tracker, merged_events
+from server.params import (
+    chat_params,
+    chat_prompt,
+    check_model,
+    check_prompts,
+    completion_params,
+    completion_prompts,
+)
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.sequence import TokenEvent
+from server.state import ServerState
+
+router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(obj: object, ascii_only: bool = False) -> bytes:
+    return (
+        b"data: "
+        + json.dumps(obj, separators=(",", ":"), ensure_ascii=ascii_only).encode()
+        + b"\n\n"
+    )
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Job:
+    """One accepted request: everything the answer is built from."""
+
+    kind: str  # "completion" or "chat"
+    id: str
+    created: int
+    model: str
+    aeng: AsyncEngine
+    prompts: list[list[int]]
+    params: SamplingParams
+    tracker: Tracker
+    timeout: float
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    include_usage: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def usage(self) -> dict:
+        done = self.tracker.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+    def apply(self, index: int, event: TokenEvent, prompt_lps: dict) -> tuple[Choice, int, int]:
+        """Record an event; returns the choice and where its new text and logprobs begin."""
+        choice = self.tracker.choices[index]
+        text_start, lp_start = len(choice.text), len(choice.lp_tokens)
+        p = index // self.params.n
+        if event.prompt_logprobs is not None:
+            prompt_lps[p] = event.prompt_logprobs
+        if self.echo_texts is not None and text_start == 0:
+            lps = prompt_lps.get(p) if self.params.prompt_logprobs is not None else None
+            self.tracker.add_prompt(choice, self.prompts[p], self.echo_texts[p], lps)
+        self.tracker.update(choice, event)
+        return choice, text_start, lp_start
+
+    def chunk(self, choices: list[dict]) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        out = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def logprobs(self, choice: Choice, start: int = 0) -> dict | None:
+        if self.params.logprobs is None:
+            return None
+        if self.kind == "completion":
+            return self.tracker.completion_logprobs(choice, start)
+        return self.tracker.chat_logprobs(choice, start)
+
+
+def _engine_error(message: str) -> APIError:
+    return APIError(503, f"the engine failed this request: {message}", code="engine_error")
+
+
+def _timeout_error(seconds: float) -> APIError:
+    return APIError(504, f"the request took longer than {seconds:g} seconds", code="timeout")
+
+
+def _check_queue(state: ServerState, aeng: AsyncEngine) -> None:
+    if aeng.num_waiting >= state.settings.max_queue:
+        raise APIError(
+            429, "the server is overloaded: too many requests are waiting; retry later",
+            code="queue_full", headers={"Retry-After": "1"},
+        )  # fmt: skip
+
+
+def _new_job(
+    state: ServerState,
+    kind: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stream_usage: bool,
+) -> Job:
+    loaded = state.loaded
+    state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    tracker = Tracker(len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter())
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    return Job(
+        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, state.aeng,
+        prompts, params, tracker, state.settings.request_timeout, include_usage=stream_usage,
+    )  # fmt: skip
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    aeng = state.require_ready()
+    loaded, engine, settings = state.loaded, state.engine, state.settings
+    check_model(body.model, loaded.name)
+    params = completion_params(body, settings, engine.model.config.vocab_size)
+    prompts, texts = completion_prompts(body, loaded.tokenizer, settings)
+    check_prompts(engine, prompts, params, settings, "prompt")
+    _check_queue(state, aeng)
+    usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    job = _new_job(state, "completion", prompts, params, usage)
+    if body.echo:
+        job.echo_texts = [
+            t if t is not None else loaded.tokenizer.decode(ids) for ids, t in zip(prompts, texts)
+        ]
+    if body.stream:
+        return StreamingResponse(
+            _stream(job, _completion_delta), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    await _collect(job, request)
+    choices = [
+        {
+            "index": c.index,
+            "text": "".join(c.text),
+            "logprobs": job.logprobs(c),
+            "finish_reason": c.finish_reason,
+        }
+        for c in job.tracker.choices
+    ]
+    out = {
+        "id": job.id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": job.usage(),
+    }
+    return JSONResponse(out)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    aeng = state.require_ready()
+    loaded, engine, settings = state.loaded, state.engine, state.settings
+    check_model(body.model, loaded.name)
+    ids = chat_prompt(body, loaded.tokenizer, loaded.template)
+    room = engine.max_len - len(ids)
+    if room <= 0:
+        raise bad_request(
+            f"this model's maximum context length is {engine.max_len} tokens; the messages "
+            f"take {len(ids)}", "messages", code="context_length_exceeded",
+        )  # fmt: skip
+    params = chat_params(body, settings, engine.model.config.vocab_size, room, loaded.template)
+    check_prompts(engine, [ids], params, settings, "messages")
+    _check_queue(state, aeng)
+    usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    job = _new_job(state, "chat", [ids], params, usage)
+    if body.stream:
+        return StreamingResponse(
+            _stream(job, _chat_delta), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    await _collect(job, request)
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": job.logprobs(c),
+            "finish_reason": c.finish_reason,
+        }
+        for c in job.tracker.choices
+    ]
+    out = {
+        "id": job.id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": job.usage(),
+    }
+    return JSONResponse(out)
+
+
+async def _collect(job: Job, request: Request) -> None:
+    """Run a non-streaming request to the end; a client that hangs up aborts it."""
+    prompt_lps: dict = {}
+    endpoint = job.kind
+    try:
+        async with aclosing(
+            merged_events(job.aeng, job.id, job.prompts, job.params, job.timeout, watch=request)
+        ) as events:
+            async for index, event in events:
+                choice, _, _ = job.apply(index, event, prompt_lps)
+                if choice.error is not None:
+                    raise _engine_error(choice.error)
+    except RequestTimeout:
+        job.tracker.finish(endpoint, 504)
+        raise _timeout_error(job.timeout) from None
+    except EngineDeadError as exc:
+        job.tracker.finish(endpoint, 503)
+        raise APIError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
+    except ClientGone:
+        job.tracker.finish(endpoint, "disconnected")
+        raise
+    except APIError as exc:
+        job.tracker.finish(endpoint, exc.status)
+        raise
+    job.tracker.finish(endpoint, 200)
+
+
+DeltaFn = Callable[[Job, Choice, TokenEvent, int, int], "dict | None"]
+
+
+def _completion_delta(
+    job: Job, choice: Choice, event: TokenEvent, text_start: int, lp_start: int
+) -> dict | None:
+    text = "".join(choice.text[text_start:])
+    lps = job.logprobs(choice, lp_start)
+    if not text and event.finish_reason is None and not (lps and lps["tokens"]):
+        return None  # nothing released yet (a held-back stop-string prefix or partial character)
+    return {
+        "index": choice.index,
+        "text": text,
+        "logprobs": lps,
+        "finish_reason": event.finish_reason,
+    }
+
+
+def _chat_delta(
+    job: Job, choice: Choice, event: TokenEvent, text_start: int, lp_start: int
+) -> dict | None:
+    text = "".join(choice.text[text_start:])
+    lps = job.logprobs(choice, lp_start)
+    if not text and event.finish_reason is None and not (lps and lps["content"]):
+        return None
+    delta = {"content": text} if text or event.finish_reason is None else {}
+    return {
+        "index": choice.index,
+        "delta": delta,
+        "logprobs": lps,
+        "finish_reason": event.finish_reason,
+    }
+
+
+async def _stream(job: Job, delta: DeltaFn) -> AsyncIterator[bytes]:
+    """SSE chunks; errors after the start are one error event, then [DONE]."""
+    status: int | str = 200
+    prompt_lps: dict = {}
+    try:
+        if job.kind == "chat":
+            opening = [
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for c in job.tracker.choices
+            ]
+            yield sse(job.chunk(opening))
+        try:
+            async with aclosing(
+                merged_events(job.aeng, job.id, job.prompts, job.params, job.timeout)
+            ) as events:
+                async for index, event in events:
+                    choice, text_start, lp_start = job.apply(index, event, prompt_lps)
+                    if choice.error is not None:
+                        raise _engine_error(choice.error)
+                    piece = delta(job, choice, event, text_start, lp_start)
+                    if piece is not None:
+                        yield sse(job.chunk([piece]))
+        except RequestTimeout:
+            raise _timeout_error(job.timeout) from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
+        if job.include_usage:
+            final = job.chunk([])
+            final["usage"] = job.usage()
+            yield sse(final)
+    except APIError as exc:
+        status = exc.status
+        yield sse(error_body(exc.message, exc.type, exc.param, exc.code), ascii_only=True)
+    except BaseException:  # cancelled: the client went away (the engine request is aborted)
+        status = "disconnected"
+        job.tracker.finish(job.kind, status)
+        raise
+    yield SSE_DONE
+    job.tracker.finish(job.kind, status)
