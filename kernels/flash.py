@@ -209,7 +209,9 @@ def _flash_fwd_kernel(
     # rows that saw no key at all (only possible when causal and TQ > TK) give 0, not NaN
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(LSE + bh.to(tl.int64) * TQ + offs_m, m_i + tl.log2(l_i), mask=row_ok)
+    # +inf for rows without keys: the backward's exp2(s - lse) is then 0 for them
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("inf"))
+    tl.store(LSE + bh.to(tl.int64) * TQ + offs_m, lse, mask=row_ok)
     tl.store(
         O + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
         out.to(O.dtype.element_ty),

@@ -81,6 +81,28 @@ def test_different_query_and_key_lengths(causal, device):
         assert rel_error(g, w) < 2e-3
 
 
+def test_queries_before_the_first_key_give_zero(device):
+    # causal with Tq > Tk: bottom-right alignment leaves the first Tq - Tk queries no key at all.
+    # The kernel defines their output as 0 (the reference's softmax gives NaN there); every
+    # other row must match, and no NaN may appear anywhere.
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 40, 16, torch.float32, device, Tk=24))
+    # 32-row tiles: rows 0..15 share a tile with rows that do see keys, so they meet masked tiles
+    out = triton_flash_attention(q, k, v, causal=True, blocks=(32, 16))
+    assert torch.isfinite(out).all()
+    assert out[:, :, :16].abs().max() == 0
+    # the other 24 rows are ordinary causal attention over the 24 keys
+    ref = attention_reference(q[:, :, 16:], k, v, causal=True)
+    assert rel_error(out[:, :, 16:], ref) < 1e-3
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert dq[:, :, :16].abs().max() == 0
+    rq, rk, rv = torch.autograd.grad(ref, (q, k, v), grad_out[:, :, 16:])
+    assert rel_error(dq[:, :, 16:], rq[:, :, 16:]) < 2e-3
+    assert rel_error(dk, rk) < 2e-3
+    assert rel_error(dv, rv) < 2e-3
+
+
 def test_strided_views_like_the_model(device):
     # the model hands in (B, T, H, D) slices of one qkv tensor transposed to (B, H, T, D)
     B, T, H, D = 2, 45, 3, 32

@@ -16,11 +16,15 @@ from kernels.reference import paged_attention_reference  # noqa: E402
 
 
 def _paged_batch(ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0):
-    """Pools full of NaN except the slots the sequences own, in shuffled pool blocks."""
+    """Pools full of NaN except the slots the sequences own, in shuffled pool blocks.
+
+    Tables are padded with block 0, which nobody owns: a kernel that reads past a context, or
+    through a padding entry, without masking the load picks up NaN.
+    """
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // page_size) for n in ctx_lens]
     num_blocks = sum(pages) + 3  # a few blocks nobody owns
-    order = list(range(num_blocks))
+    order = list(range(1, num_blocks))  # block 0 stays garbage and pads the tables
     random.Random(seed).shuffle(order)
     shape = (num_blocks, page_size, n_head, head_dim)
     k_cache = torch.full(shape, float("nan"))
