@@ -21,13 +21,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, bad_request, install_error_handlers
-from server.generate import ClientGone
 from server.metrics import Metrics
 from server.openai_api import router as openai_router
 from server.params import check_model, encode_text
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.settings import Settings
 from server.state import LoadedModel, ServerState
+from server.streams import ClientGone
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -40,9 +40,10 @@ class Gate:
     is refused with 413 whether or not it declared its Content-Length.
     """
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, metrics: Metrics) -> None:
         self.app = app
         self.settings = settings
+        self.metrics = metrics
         self.keys = [k.encode() for k in settings.api_keys]
         self.active = 0
 
@@ -60,8 +61,14 @@ class Gate:
             await err.response()(scope, receive, send)
             return
         self.active += 1
+
+        async def counted_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.responses.labels(str(message["status"])).inc()
+            await send(message)
+
         try:
-            await self._handle(scope, receive, send)
+            await self._handle(scope, receive, counted_send)
         finally:
             self.active -= 1
 
@@ -166,7 +173,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    app.add_middleware(Gate, settings=settings)
+    app.add_middleware(Gate, settings=settings, metrics=metrics)
     return app
 
 

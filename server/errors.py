@@ -76,7 +76,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         return bad_request(f"the body must be a JSON object: {first.get('msg')}")
     param = loc[0]
-    message = f"{'.'.join(loc)}: {first.get('msg')}"
+    message = f"invalid {param}: {first.get('msg')}"
+    if len(loc) > 1:
+        message += f" (at {'.'.join(loc)})"
     if first.get("type") == "missing":
         message = f"{param} is required"
     return bad_request(message, param=param)

@@ -50,6 +50,9 @@ class Metrics:
             "gptserve_requests", "Finished requests by HTTP status and finish reason.",
             ["endpoint", "status", "finish_reason"], registry=r,
         )  # fmt: skip
+        self.responses = Counter(
+            "gptserve_http_responses", "HTTP responses by status code.", ["status"], registry=r
+        )
         self.running = Gauge("gptserve_num_requests_running", "Sequences decoding.", registry=r)
         self.waiting = Gauge("gptserve_num_requests_waiting", "Sequences waiting.", registry=r)
         self.kv_usage = Gauge(

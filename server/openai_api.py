@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from model.sampling import SamplingParams
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import APIError, bad_request, error_body
-from server.generate import Choice, ClientGone, RequestTimeout, Tracker, merged_events
 from server.params import (
     chat_params,
     chat_prompt,
@@ -27,6 +26,7 @@ from server.params import (
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.sequence import TokenEvent
 from server.state import ServerState
+from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,98 @@
+"""Real uvicorn servers on 127.0.0.1 over a tiny random GPT-2-shaped checkpoint."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from model import GPT, ModelConfig, save_checkpoint
+from server.app import create_app
+from server.engine import Engine
+from server.settings import Settings
+from server.state import load_model
+
+API_KEY = "test-key-123"
+MODEL_NAME = "tiny-gpt"
+STARTUP_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    app: FastAPI
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self) -> Engine:
+        return self.app.state.server.engine
+
+    def wait_blocks_free(self, timeout: float = 5.0) -> bool:
+        """True once every KV block is back in the pool (bounded wait)."""
+        cache = self.engine.cache
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cache.num_free_blocks == cache.num_blocks and self.engine.num_running == 0:
+                return True
+            time.sleep(0.02)
+        return False
+
+
+@contextmanager
+def live_server(settings: Settings) -> Iterator[LiveServer]:
+    """Serve create_app(settings) from a thread; always shut down."""
+    settings.port = free_port()
+    app = create_app(settings, load_model(settings))
+    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        yield LiveServer(app, settings.port)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt") / MODEL_NAME
+    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=256)), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint: Path) -> Iterator[LiveServer]:
+    """The shared server: auth on, default limits, 8 sequences at a time."""
+    settings = Settings(model=str(tiny_checkpoint), api_keys=[API_KEY], max_num_seqs=8)
+    with live_server(settings) as live:
+        yield live
+
+
+@pytest.fixture()
+def headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
