@@ -1,218 +1,75 @@
-"""One API request's engine work: its prompts' event streams merged, with a deadline, and the
-per-choice bookkeeping (text, tokens, logprobs, timings) that both endpoints share.
+"""Offline generation: stream a completion for a prompt to the terminal through the Engine.
 
-Choices are numbered prompt_index * n + completion_index, as OpenAI numbers them.
+    python -m server.generate --model PATH "To be, or not to be"
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+import argparse
+import sys
 
-from fastapi import Request
+import torch
 
-from model.sampling import SamplingParams
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
-from server.async_engine import AsyncEngine
-from server.metrics import Metrics
-from server.sequence import TokenEvent, TokenLogprob
+from model import CheckpointError, get_tokenizer, load_checkpoint
+from model.sampling import SamplingError, SamplingParams
+from server import DEFAULT_MODEL_DIR
+from server.engine import Engine, EngineConfig, RequestError
 
 
-class RequestTimeout(Exception):
-    """The request ran past --request-timeout."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m server.generate", description=__doc__.split("\n")[0])
+    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint directory")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--n", type=int, default=1, help="completions, printed one after another")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    p.add_argument("--device", default="cpu")
+    return p.parse_args(argv)
 
 
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
-
-
-_DONE, _TIMEOUT, _GONE = object(), object(), object()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Return when the client hangs up (the body has been read, so receive() only reports that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def merged_events(
-    aeng: AsyncEngine,
-    request_id: str,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    timeout: float,
-    watch: Request | None = None,
-) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """(choice index, event) for every event of every prompt until all completions end.
-
-    Raises RequestTimeout past the deadline and ClientGone when `watch` disconnects; leaving early
-    in any way (including being closed or cancelled) aborts the engine requests still running.
-    """
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(p: int, ids: list[int]) -> None:
-        try:
-            async for event in aeng.generate(f"{request_id}-{p}", ids, params):
-                queue.put_nowait((p * params.n + event.index, event))
-        except Exception as exc:  # EngineDeadError, or a check that failed late
-            queue.put_nowait((p, exc))
-        finally:
-            queue.put_nowait((p, _DONE))
-
-    async def on_disconnect() -> None:
-        await _wait_disconnect(watch)
-        queue.put_nowait((-1, _GONE))
-
-    tasks = [asyncio.create_task(pump(p, ids)) for p, ids in enumerate(prompts)]
-    if watch is not None:
-        tasks.append(asyncio.create_task(on_disconnect()))
-    timer = asyncio.get_running_loop().call_later(timeout, queue.put_nowait, (-1, _TIMEOUT))
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=args.stop, n=args.n,
+    )  # fmt: skip
     try:
-        remaining = len(prompts)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif item is _TIMEOUT:
-                raise RequestTimeout()
-            elif item is _GONE:
-                raise ClientGone()
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        timer.cancel()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        model = load_checkpoint(args.model, device=args.device, dtype=torch.float32)
+        tokenizer = get_tokenizer(model.config.tokenizer)
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
+        prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_token]
+        engine.add_request("cli", prompt, params)
+    except (CheckpointError, SamplingError, RequestError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    texts: dict[int, list[str]] = {i: [] for i in range(args.n)}
+    while engine.has_work():
+        for event in engine.step():
+            if event.error:
+                print(f"\nerror: {event.error}", file=sys.stderr)
+                return 1
+            if args.n == 1:
+                if args.echo and not texts[0]:
+                    sys.stdout.write(args.prompt)
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            texts[event.index].append(event.text)
+    if args.n > 1:
+        for i in range(args.n):
+            print(f"--- completion {i} ---")
+            print((args.prompt if args.echo else "") + "".join(texts[i]))
+    else:
+        print()
+    return 0
 
 
-def token_text(tokenizer: Tokenizer, token: int) -> str:
-    """A token as a string: its UTF-8 text, or "bytes:\\xNN..." when its bytes are not whole characters."""
-    raw = tokenizer.token_bytes(token)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-@dataclass
-class Choice:
-    """What one choice has produced so far."""
-
-    index: int
-    text: list[str] = field(default_factory=list)
-    lp_tokens: list[int] = field(default_factory=list)  # tokens that have logprobs entries
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # character offset of each token
-    finish_reason: str | None = None
-    error: str | None = None
-    num_generated: int = 0
-    lp_chars: int = 0  # characters before the next token with logprobs
-    detok: IncrementalDetokenizer | None = None
-    last_token_at: float | None = None
-
-
-class Tracker:
-    """Choices of one request plus its latency metrics."""
-
-    def __init__(
-        self, num_choices: int, tokenizer: Tokenizer, metrics: Metrics, started: float
-    ) -> None:
-        self.choices = [Choice(i) for i in range(num_choices)]
-        self.tokenizer = tokenizer
-        self.metrics = metrics
-        self.started = started
-        self.first_token_at: float | None = None
-
-    def add_prompt(
-        self, choice: Choice, ids: list[int], text: str, lps: list[TokenLogprob | None] | None
-    ) -> None:
-        """Echo: the prompt's text (and its logprobs, the first one None) open the choice."""
-        choice.text.append(text)
-        if lps is not None:
-            self._add_logprobs(choice, ids, lps)
-            choice.lp_chars = len(text)
-            choice.detok = None  # generated tokens start a fresh detokenizer
-
-    def update(self, choice: Choice, event: TokenEvent) -> None:
-        now = time.perf_counter()
-        if event.token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = now
-                self.metrics.ttft.observe(now - self.started)
-            elif choice.last_token_at is not None:
-                self.metrics.itl.observe(now - choice.last_token_at)
-            choice.last_token_at = now
-        if event.logprobs:
-            self._add_logprobs(choice, event.token_ids, event.logprobs)
-        choice.text.append(event.text)
-        choice.num_generated = event.num_generated
-        if event.finish_reason is not None:
-            choice.finish_reason = event.finish_reason
-        if event.error is not None:
-            choice.error = event.error
-
-    def _add_logprobs(
-        self, choice: Choice, ids: list[int], entries: list[TokenLogprob | None]
-    ) -> None:
-        if choice.detok is None:
-            choice.detok = self.tokenizer.detokenizer()
-        for token, entry in zip(ids, entries):
-            choice.lp_tokens.append(token)
-            choice.logprobs.append(entry)
-            choice.offsets.append(choice.lp_chars)
-            choice.lp_chars += len(choice.detok.add(token))
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.num_generated for c in self.choices)
-
-    def finish(self, endpoint: str, status: int | str) -> None:
-        reasons = [c.finish_reason for c in self.choices if c.finish_reason]
-        reason = (
-            "error" if any(c.error for c in self.choices) else (reasons[0] if reasons else None)
-        )
-        if status == 200:
-            self.metrics.e2e.observe(time.perf_counter() - self.started)
-        self.metrics.count_request(endpoint, status, reason)
-
-    # ---- OpenAI shapes -------------------------------------------------------------------
-
-    def completion_logprobs(self, choice: Choice, start: int = 0) -> dict:
-        """Legacy completions shape over the choice's entries from `start`: parallel lists."""
-        tokens, token_lps, tops = [], [], []
-        for token, entry in zip(choice.lp_tokens[start:], choice.logprobs[start:]):
-            tokens.append(token_text(self.tokenizer, token))
-            if entry is None:
-                token_lps.append(None)
-                tops.append(None)
-            else:
-                token_lps.append(entry.logprob)
-                tops.append({token_text(self.tokenizer, t): lp for t, lp in entry.top})
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": choice.offsets[start:],
-        }
-
-    def chat_logprobs(self, choice: Choice, start: int = 0) -> dict:
-        """Chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
-        content = []
-        for token, entry in zip(choice.lp_tokens[start:], choice.logprobs[start:]):
-            if entry is None:
-                continue
-            item = self._chat_entry(token, entry.logprob)
-            item["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in entry.top]
-            content.append(item)
-        return {"content": content}
-
-    def _chat_entry(self, token: int, logprob: float) -> dict:
-        raw = self.tokenizer.token_bytes(token)
-        return {"token": token_text(self.tokenizer, token), "logprob": logprob, "bytes": list(raw)}
+if __name__ == "__main__":
+    sys.exit(main())
