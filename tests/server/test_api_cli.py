@@ -1,0 +1,127 @@
+"""`python -m server` as a process: one-line errors with exit 2, and a SIGTERM drain that exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.chat import ChatTemplate, ChatTemplateError
+from server.settings import DEFAULT_MODEL_DIR, SettingsError, settings_from_args
+from tests.server.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.skipif(DEFAULT_MODEL_DIR.exists(), reason="the bundled default model exists")
+def test_missing_default_model_is_one_line_exit_2() -> None:
+    out = run_cli("--port", "1")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and str(DEFAULT_MODEL_DIR) in out.stderr
+    assert out.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--max-n", "0"], ["--model", "/nonexistent/ckpt"], ["--port", "99999"], ["--device", "tpu"]],
+)
+def test_bad_flags_exit_2(args: list[str]) -> None:
+    out = run_cli(*args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "error:" in out.stderr
+
+
+def test_unloadable_checkpoint_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    out = run_cli("--model", str(tmp_path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.strip().count("\n") == 0
+
+
+def test_settings_from_args_env_keys() -> None:
+    s = settings_from_args(
+        ["--api-key", "a", "--max-queue", "3"], env={"GPTSERVE_API_KEYS": "b, c"}
+    )
+    assert s.api_keys == ["a", "b", "c"] and s.max_queue == 3 and s.host == "127.0.0.1"
+    with pytest.raises(SettingsError):
+        settings_from_args(["--kv-cache-gb", "0"], env={})
+
+
+def test_chat_template_default_and_file(tmp_path: Path) -> None:
+    default = ChatTemplate()
+    assert (
+        default.render([("system", "S"), ("user", "{x} hi")])
+        == "System: S\nUser: {x} hi\nAssistant:"
+    )
+    assert default.stop == ("\nUser:",)
+    (tmp_path / "chat_template.txt").write_text(
+        "<{role}>{content}</{role}>\n\n---\n<assistant>\n---\n</assistant>\n\\n<user>\n"
+    )
+    custom = ChatTemplate.for_checkpoint(tmp_path)
+    assert custom.render([("user", "hey")]) == "<user>hey</user>\n<assistant>"
+    assert custom.stop == ("</assistant>", "\n<user>")
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.parse("no separator here")
+
+
+def test_sigterm_drains_stream_and_exits_0(tiny_checkpoint: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--port", str(port), "--shutdown-grace", "20"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        received: list[str] = []
+        first = threading.Event()
+
+        def consume() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        received.append(line)
+                        first.set()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert first.wait(30)
+        os.kill(proc.pid, signal.SIGTERM)
+        reader.join(30)
+        assert not reader.is_alive()
+        assert proc.wait(timeout=30) == 0
+        assert received[-1] == "data: [DONE]"
+        last = json.loads(received[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "length"  # the stream finished, not cut
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

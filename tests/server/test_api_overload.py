@@ -1,0 +1,68 @@
+"""A full waiting queue answers 429 with Retry-After, and the server recovers afterwards."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server.settings import Settings
+from tests.server.conftest import MODEL_NAME, LiveServer, live_server
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_checkpoint: Path) -> Iterator[LiveServer]:
+    with live_server(Settings(model=str(tiny_checkpoint), max_num_seqs=1, max_queue=1)) as live:
+        model = live.engine.model
+        fast = model.forward_cached
+
+        def slow(*args, **kwargs):  # ~20 ms a step, so a long request stays running for a while
+            time.sleep(0.02)
+            return fast(*args, **kwargs)
+
+        model.forward_cached = slow
+        yield live
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_queue_full_then_recovers(small_server: LiveServer) -> None:
+    url = f"{small_server.url}/v1/completions"
+    long = {
+        "model": MODEL_NAME,
+        "prompt": "a",
+        "max_tokens": 250,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    aeng = small_server.app.state.server.aeng
+    with httpx.stream("POST", url, json=long, timeout=30) as running:
+        lines = running.iter_lines()  # keep a reference: dropping it would close the connection
+        next(lines)
+        with httpx.stream("POST", url, json=long, timeout=30) as waiting:
+            assert waiting.status_code == 200
+            assert wait_until(lambda: aeng.num_waiting >= 1)
+            r = httpx.post(url, json={"prompt": "b", "max_tokens": 1}, timeout=30)
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+            client = openai.OpenAI(
+                base_url=f"{small_server.url}/v1", api_key="none", max_retries=0, timeout=10
+            )
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=MODEL_NAME, prompt="c", max_tokens=1)
+    assert small_server.wait_blocks_free()
+    assert wait_until(lambda: aeng.num_waiting == 0)
+    r = httpx.post(url, json={"prompt": "b", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
