@@ -1,0 +1,191 @@
+"""Serving benchmark: streaming load at several concurrencies against `python -m server`, and the
+server's tok/s at concurrency 1 against the Engine run offline in this process on the same model.
+
+    python bench/serve.py [--model PATH] [--max-tokens 32] [--concurrency 1 8 32]
+
+Without --model a randomly initialised GPT-2 124M is saved to a temporary directory and served.
+Prints TTFT and inter-token latency (p50/p95), aggregate tok/s and errors per concurrency, then
+the HTTP+SSE overhead as server tok/s / offline tok/s at concurrency 1 (goal: >= 0.90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from server.engine import Engine, EngineConfig  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@dataclass
+class Level:
+    concurrency: int
+    requests: int
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: int = 0
+    wall: float = 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+        if len(values) > 1
+        else values[0]
+    )
+
+
+def offline_rate(path: Path, max_tokens: int, requests: int) -> float:
+    """tok/s of the Engine alone, one request at a time, same prompt and length as the server run."""
+    model = load_checkpoint(path)
+    tok = get_tokenizer()
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=32))
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+    engine.add_request("warmup", ids, params)
+    while engine.has_work():
+        engine.step()
+    t0, tokens = time.perf_counter(), 0
+    for i in range(requests):
+        engine.add_request(f"r{i}", ids, params)
+        while engine.has_work():
+            tokens += sum(len(e.token_ids) for e in engine.step())
+    return tokens / (time.perf_counter() - t0)
+
+
+async def one_request(client: httpx.AsyncClient, level: Level, max_tokens: int) -> None:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                level.errors += 1
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    level.errors += 1
+                    return
+                now = time.perf_counter()
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if last is None:
+                        level.ttft.append(now - start)
+                    else:
+                        level.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    level.tokens += chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError:
+        level.errors += 1
+
+
+async def run_level(url: str, level: Level, max_tokens: int) -> None:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(level.requests):
+        queue.put_nowait(i)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            queue.get_nowait()
+            await one_request(client, level, max_tokens)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(level.concurrency)))
+        level.wall = time.perf_counter() - t0
+
+
+def start_server(path: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port),
+           "--max-num-seqs", "32", "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not become ready")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, help="checkpoint dir (default: random GPT-2 124M)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    args = p.parse_args()
+    tmp = None
+    path = args.model
+    if path is None:
+        tmp = tempfile.TemporaryDirectory()
+        path = Path(tmp.name) / "gpt2-124m-random"
+        torch.manual_seed(0)
+        save_checkpoint(GPT(ModelConfig()), path)
+    levels = [Level(c, max(4, c if c >= 8 else 4 * c)) for c in args.concurrency]
+    offline = offline_rate(path, args.max_tokens, levels[0].requests)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start_server(path, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(run_level(url, Level(1, 1), args.max_tokens))  # warm-up
+        for level in levels:
+            asyncio.run(run_level(url, level, args.max_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        if tmp is not None:
+            tmp.cleanup()
+
+    print(f"\nmodel {path.name if args.model else 'GPT-2 124M (random)'}, {args.max_tokens} tokens/request, "
+          f"prompt {len(get_tokenizer().encode(PROMPT))} tokens, torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"{'conc':>5} {'reqs':>5} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8} {'tok/s':>7} {'errors':>6}"
+    )
+    for lv in levels:
+        ms = [
+            1000 * pct(lv.ttft, 50),
+            1000 * pct(lv.ttft, 95),
+            1000 * pct(lv.itl, 50),
+            1000 * pct(lv.itl, 95),
+        ]
+        print(f"{lv.concurrency:>5} {lv.requests:>5} {ms[0]:>7.1f}ms {ms[1]:>7.1f}ms {ms[2]:>6.1f}ms "
+              f"{ms[3]:>6.1f}ms {lv.tokens / lv.wall:>7.1f} {lv.errors:>6}")  # fmt: skip
+    served = levels[0].tokens / levels[0].wall
+    print(f"\nconcurrency {levels[0].concurrency}: server {served:.1f} tok/s vs offline engine "
+          f"{offline:.1f} tok/s -> ratio {served / offline:.3f} (goal >= 0.90)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
