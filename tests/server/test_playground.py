@@ -1,0 +1,317 @@
+"""The playground page (GET /) driven in headless Chromium against a real `python -m server`.
+
+Needs Debian's `chromium` at /usr/bin/chromium and the Python `playwright` package (its own
+browser download is not used). Set PLAYGROUND_SCREENSHOT=docs/playground.png (and optionally
+PLAYGROUND_MODEL=a trained checkpoint dir) to rewrite the README's screenshot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.server.conftest import free_port
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+KEY = "playground-key"
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT = 60.0
+TIMEOUT_MS = 20_000
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="browser test needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)",
+)
+
+
+@contextmanager
+def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[str]:
+    """`python -m server` on a free port; yields its base URL and always stops it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port), *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("playground") / "server.log"
+    with run_server(tiny_checkpoint, log, "--api-key", KEY) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@contextmanager
+def open_page(browser: Browser, url: str, **context_args: object) -> Iterator[Page]:
+    """A fresh browser context (no shared storage) on the playground; fails on JavaScript errors."""
+    context = browser.new_context(viewport={"width": 1200, "height": 800}, **context_args)
+    errors: list[str] = []
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{url}/")
+        yield page
+    finally:
+        context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+@pytest.fixture()
+def page(browser: Browser, server_url: str) -> Iterator[Page]:
+    with open_page(browser, server_url) as page:
+        yield page
+
+
+def fill_form(page: Page, key: str = KEY, **fields: str) -> None:
+    page.fill("#api_key", key)
+    for name, value in fields.items():
+        page.fill(f"#{name}", value)
+
+
+def token_spans(page: Page) -> list[str]:
+    return page.locator("#output-tokens .tok").all_inner_texts()
+
+
+def post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample over the series whose labels include `labels`."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_page_is_served_offline(server_url: str) -> None:
+    with urllib.request.urlopen(f"{server_url}/", timeout=5) as resp:
+        html = resp.read().decode()
+        assert resp.headers["content-type"].startswith("text/html")
+    assert "/static/playground.js" in html and "/static/playground.css" in html
+    # everything the page loads is local: no CDN, nothing remote
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)
+
+
+def test_greedy_completion_streams_as_shaded_tokens(page: Page, server_url: str) -> None:
+    prompt = "The quick brown fox"
+    fill_form(page, prompt=prompt, temperature="0", max_tokens="12")
+    page.click("#run")
+    expect(page.locator("#status")).to_contain_text("done", timeout=TIMEOUT_MS)
+
+    spans = token_spans(page)
+    assert len(spans) == 12
+    expected = post_json(
+        f"{server_url}/v1/completions",
+        {"prompt": prompt, "temperature": 0, "max_tokens": 12, "logprobs": 1},
+    )["choices"][0]
+    assert "".join(spans) == expected["text"]
+    assert page.inner_text("#output-prompt") == prompt
+    assert page.inner_text("#model-name") == "tiny-gpt"
+    shades = page.eval_on_selector_all(
+        "#output-tokens .tok", "els => els.map(e => Number(e.style.getPropertyValue('--p')))"
+    )
+    probs = [math.exp(lp) for lp in expected["logprobs"]["token_logprobs"]]
+    assert shades == pytest.approx(probs, rel=1e-6)  # each token is shaded by its probability
+    expect(page.locator("#run")).to_be_enabled()
+    expect(page.locator("#stop")).to_be_disabled()
+
+
+def test_hover_click_and_focus_show_alternatives(page: Page) -> None:
+    fill_form(page, temperature="0", max_tokens="6")
+    page.click("#run")
+    expect(page.locator("#status")).to_contain_text("done")
+    popup = page.locator("#popup")
+    token = page.locator("#output-tokens .tok").nth(2)
+
+    token.hover()
+    expect(popup).to_be_visible()
+    rows = popup.locator("li.alt")
+    expect(rows).to_have_count(5)  # logprobs: 5; greedy, so the chosen token is among them
+    assert "is-chosen" in (rows.first.get_attribute("class") or "")  # greedy picks the top one
+    for pct in popup.locator(".alt-pct").all_inner_texts():
+        assert re.fullmatch(r"(<0\.01|\d+\.\d+)%", pct), pct
+    widths = popup.locator(".bar").evaluate_all("bars => bars.map(b => b.style.width)")
+    assert len(widths) == 5 and all(w.endswith("%") for w in widths), widths
+    assert popup.locator(".chosen").inner_text().strip()
+    page.mouse.move(5, 5)
+    expect(popup).to_be_hidden()
+
+    token.click()  # a click (or tap) pins the popup until the next click or Escape
+    page.mouse.move(5, 5)
+    expect(popup).to_be_visible()
+    page.keyboard.press("Escape")
+    expect(popup).to_be_hidden()
+
+    page.focus("#run")  # keyboard users: Tab reaches the tokens, arrows move between them
+    page.keyboard.press("Tab")
+    expect(page.locator("#output-tokens .tok").first).to_be_focused()
+    expect(popup).to_be_visible()
+    page.keyboard.press("ArrowRight")
+    expect(page.locator("#output-tokens .tok").nth(1)).to_be_focused()
+    expect(popup).to_be_visible()
+    page.keyboard.press("Tab")  # leaving the text closes it
+    expect(popup).to_be_hidden()
+
+
+def test_tap_opens_alternatives(browser: Browser, server_url: str) -> None:
+    with open_page(browser, server_url, has_touch=True, is_mobile=True) as page:
+        fill_form(page, temperature="0", max_tokens="4")
+        page.tap("#run")
+        expect(page.locator("#status")).to_contain_text("done")
+        page.locator("#output-tokens .tok").first.tap()
+        expect(page.locator("#popup li.alt")).to_have_count(5)
+
+
+def test_stop_aborts_and_server_frees_the_sequence(page: Page, server_url: str) -> None:
+    disconnected = metric(server_url, "gptserve_requests_total", status="disconnected")
+    fill_form(page, max_tokens="200")
+    page.click("#run")
+    expect(page.locator("#output-tokens .tok").nth(2)).to_be_attached()
+    page.click("#stop")
+    expect(page.locator("#status")).to_contain_text("stopped")
+    count = len(token_spans(page))
+    assert 3 <= count < 200
+    page.wait_for_timeout(700)  # several decode steps: nothing more may arrive
+    assert len(token_spans(page)) == count
+    expect(page.locator("#run")).to_be_enabled()
+    expect(page.locator("#stop")).to_be_disabled()
+    expect(page.locator("#err-general")).to_be_hidden()
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        running = metric(server_url, "gptserve_num_requests_running")
+        gone = metric(server_url, "gptserve_requests_total", status="disconnected")
+        if running == 0 and gone > disconnected:
+            break
+        time.sleep(0.1)
+    assert running == 0 and gone == disconnected + 1
+
+    fill_form(page, max_tokens="3")  # the server is fine: the next run completes
+    page.click("#run")
+    expect(page.locator("#status")).to_contain_text("done (length)")
+    assert len(token_spans(page)) == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", "-1", "temperature"),
+        ("top_p", "5", "top_p"),
+        ("max_tokens", "-3", "max_tokens"),
+        ("prompt", "word " * 400, "context length"),
+    ],
+)
+def test_invalid_parameter_is_shown_next_to_its_field(
+    page: Page, field: str, value: str, message: str
+) -> None:
+    fill_form(page, **{field: value})
+    page.click("#run")
+    error = page.locator(f"#err-{field}")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text(message)
+    expect(page.locator(f"#{field}")).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#err-general")).to_be_hidden()
+    assert token_spans(page) == []
+    expect(page.locator("#run")).to_be_enabled()
+    page.fill(f"#{field}", "1")  # editing the field clears its error
+    expect(error).to_be_hidden()
+
+
+def test_wrong_api_key_shows_auth_error(page: Page) -> None:
+    fill_form(page, key="not-the-key", max_tokens="3")
+    page.click("#run")
+    error = page.locator("#err-api_key")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("API key")
+    assert token_spans(page) == []
+
+    fill_form(page, max_tokens="3")
+    page.click("#run")
+    expect(page.locator("#status")).to_contain_text("done")
+    expect(error).to_be_hidden()
+    stored = page.evaluate("[localStorage.length, sessionStorage.length, document.cookie]")
+    assert stored == [0, 0, ""]  # the key stays in memory
+
+
+@pytest.mark.skipif(
+    not os.environ.get("PLAYGROUND_SCREENSHOT"), reason="set PLAYGROUND_SCREENSHOT=path to write it"
+)
+def test_screenshot(browser: Browser, tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Mid-generation, a token's alternatives open: the picture in the README."""
+    out = Path(os.environ["PLAYGROUND_SCREENSHOT"])
+    model = Path(os.environ.get("PLAYGROUND_MODEL") or tiny_checkpoint)
+    with run_server(model, tmp_path / "server.log") as url:
+        with open_page(browser, url) as page:
+            fill_form(page, key="", prompt="ROMEO:\nWhat light", max_tokens="400", top_k="40")
+            page.fill("#temperature", "0.8")
+            page.click("#run")
+            expect(page.locator("#output-tokens .tok").nth(40)).to_be_attached()
+            page.locator("#output-tokens .tok").nth(12).hover()
+            expect(page.locator("#popup")).to_be_visible()
+            expect(page.locator("#stop")).to_be_enabled()  # still generating
+            page.screenshot(path=str(out))
+            page.click("#stop")
+    assert out.stat().st_size > 10_000
