@@ -37,7 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 32  # sequences decoding together
     max_batch_tokens: int = 512  # tokens per step (prefill chunk size bound)
     block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # None: enough for max_num_seqs full contexts, within kv_cache_bytes
+    num_blocks: int | None = None  # None: max_num_seqs full contexts within kv_cache_bytes
     kv_cache_bytes: int = 2 << 30
 
 
@@ -53,7 +53,9 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()

@@ -1,6 +1,6 @@
 """Offline generation: stream a completion for a prompt to the terminal through the Engine.
 
-    python -m server.generate --model PATH "To be, or not to be"
+python -m server.generate --model PATH "To be, or not to be"
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from server.engine import Engine, EngineConfig, RequestError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m server.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m server.generate", description=__doc__.split("\n")[0]
+    )
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint directory")
     p.add_argument("--max-tokens", type=int, default=128)

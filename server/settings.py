@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+from server import DEFAULT_MODEL_DIR
+
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
 
 
