@@ -26,7 +26,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # The running max starts finite: a row whose first tiles are fully masked then gets
 # exp2(-inf - NEG_BIG) = 0 instead of exp2(-inf - -inf) = NaN.
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite start for the running max: fully masked tiles give 0, never NaN
+NEG_BIG = tl.constexpr(-1.0e30)  # finite start for the running max: fully masked tiles give 0, never NaN
 
 
 @triton.jit
