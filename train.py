@@ -130,6 +130,7 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
                     f"change it to {given[key]}"
                 )
         settings.update({k: v for k, v in saved.items() if k in DEFAULTS})
+        settings["init_from"] = None  # the weights come from the training state
     elif given.get("init_from"):
         clash = [k for k in ARCH_KEYS if k in given]
         if clash:
@@ -485,8 +486,13 @@ def trim_metrics(path: Path, last_step: int) -> None:
     """Drop lines logged after the checkpoint we resume from (a killed run may have gone on)."""
     if not path.is_file():
         return
-    rows = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                rows.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by the kill
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(r + "\n" for r in rows))
     os.replace(tmp, path)
@@ -565,7 +571,9 @@ def autocast_for(a: argparse.Namespace, device: torch.device
     return ctx, scaler
 
 
-def build_model(a: argparse.Namespace, vocab_size: int) -> GPT:
+def build_model(a: argparse.Namespace, vocab_size: int, state: dict[str, Any] | None) -> GPT:
+    if state is not None and "config" in state:  # --resume: the saved model, dropout may change
+        return GPT(replace(ModelConfig.from_dict(state["config"]), dropout=a.dropout))
     if not a.init_from:
         torch.manual_seed(a.seed)  # same initial weights on every rank
         return GPT(model_config(a, vocab_size))
@@ -597,6 +605,9 @@ def check_out_dir(out: Path, config: ModelConfig, a: argparse.Namespace) -> None
             f"--out {out} holds a different model ({k}={getattr(existing, k)}, this run "
             f"{getattr(config, k)}); use another --out, --resume it, or --init-from it"
         )
+    if (out / STATE_FILE).is_file() and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {out} holds a run; starting over (use --resume to continue it)",
+              file=sys.stderr)
 
 
 def prepare_data(a: argparse.Namespace, info: Dist, out: Path) -> np.ndarray:
@@ -628,7 +639,7 @@ def train(a: argparse.Namespace) -> None:
     if not a.init_from:
         check_out_dir(out, model_config(a, vocab_size), a)  # before the slow parts
     tokens = prepare_data(a, info, out)
-    model = build_model(a, vocab_size)
+    model = build_model(a, vocab_size, state)
     train_tokens, val_tokens = split_tokens(tokens, model.config.block_size, a.val_fraction)
     if device.type == "cuda" and kernels.get_backend() == "auto":
         import importlib.util
@@ -694,6 +705,7 @@ def train(a: argparse.Namespace) -> None:
             save_served(model, out / BEST_DIR, DTYPES[a.save_dtype])
         atomic_torch_save({
             "version": 1, "step": step, "best_val": best_val, "args": vars(a),
+            "config": model.config.to_dict(),
             "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,

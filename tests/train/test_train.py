@@ -253,6 +253,28 @@ def test_non_finite_loss_skips_steps_then_stops(tmp_path: Path, data_slice: Path
     assert len(rows) == 4 and all(r["skipped"] for r in rows)
 
 
+def test_init_from_hugging_face_gpt2_then_resume(tmp_path: Path, data_slice: Path,
+                                                  cache_dir: Path, capsys: pytest.CaptureFixture
+                                                  ) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    hf.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "out"
+    base = ["--data", str(data_slice), "--out", str(out), "--cache-dir", str(cache_dir),
+            "--batch-size", "4", "--eval-interval", "2", "--eval-iters", "2",
+            "--sample-tokens", "0", "--log-interval", "1"]
+    assert run_main([*base, "--init-from", str(tmp_path / "hf"), "--max-steps", "2"], capsys) == 0
+    state = torch.load(out / train.STATE_FILE, weights_only=True)
+    assert state["args"]["n_embd"] == 64 and state["args"]["block_size"] == 32
+    # Resuming needs neither the HF directory nor the architecture flags.
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    assert run_main(["--out", str(out), "--resume", "--max-steps", "4"], capsys) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert load_checkpoint(out).config.n_layer == 2
+
+
 def _error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -281,6 +303,8 @@ def test_errors_are_one_line(tmp_path: Path, data_slice: Path, cache_dir: Path, 
         "cannot change it to 4": ["--out", str(trained), "--resume", "--n-layer", "4"],
         "nothing to resume": ["--out", str(tmp_path / "fresh"), "--resume"],
         "--lr must be positive": ["--data", str(data_slice), "--out", "o", "--lr", "0"],
+        "--init-from takes the architecture": ["--data", str(data_slice), "--out", "o",
+                                               "--init-from", str(trained), "--n-layer", "4"],
     }
     for expected, argv in cases.items():
         code = train.main([*base, *argv])
