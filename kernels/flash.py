@@ -119,7 +119,10 @@ def _flash_fwd_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -408,7 +411,10 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)

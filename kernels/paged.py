@@ -16,6 +16,7 @@ writes the final output directly.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,7 +24,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG_BIG = tl.constexpr(-1.0e30)  # finite start for the running max: fully masked tiles give 0, never NaN
+NEG_BIG = tl.constexpr(
+    -1.0e30
+)  # finite start for the running max: fully masked tiles give 0, never NaN
 
 
 @triton.jit
@@ -194,11 +197,16 @@ def _merge_splits_kernel(
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
     """Enough splits to give every SM about two programs, none shorter than 256 keys."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     want = triton.cdiv(2 * sms, max(programs, 1))
     longest = triton.cdiv(max_ctx, max(256, block_n))
     return max(1, min(want, longest, 64))
