@@ -248,7 +248,9 @@
     // A token's text runs from its offset to the next token's; the last one may still grow.
     for (let i = firstDirty; i < tokens.length; i++) {
       const end = i + 1 < tokens.length ? tokens[i + 1].offset : text.length;
-      tokens[i].span.textContent = text.slice(tokens[i].offset, end);
+      const piece = text.slice(tokens[i].offset, end);
+      tokens[i].span.textContent = piece;
+      tokens[i].span.classList.toggle("nl", piece.includes("\n")); // shows a ↵ to hover
     }
   }
 

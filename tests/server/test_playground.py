@@ -304,12 +304,29 @@ def test_screenshot(browser: Browser, tiny_checkpoint: Path, tmp_path: Path) -> 
     out = Path(os.environ["PLAYGROUND_SCREENSHOT"])
     model = Path(os.environ.get("PLAYGROUND_MODEL") or tiny_checkpoint)
     with run_server(model, tmp_path / "server.log") as url:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
+            room = json.loads(resp.read())["data"][0]["max_model_len"] - 16
         with open_page(browser, url) as page:
-            fill_form(page, key="", prompt="ROMEO:\nWhat light", max_tokens="400", top_k="40")
-            page.fill("#temperature", "0.8")
+            fill_form(
+                page,
+                key="",
+                prompt="KING RICHARD:\nNow is the winter of our discontent",
+                max_tokens=str(room),
+                top_k="40",
+            )
+            page.fill("#temperature", "1")
+            # a slow link keeps a small model's stream going long enough to catch it mid-way
+            cdp = page.context.new_cdp_session(page)
+            cdp.send("Network.enable")
+            conditions = {"offline": False, "latency": 0, "uploadThroughput": -1}
+            cdp.send("Network.emulateNetworkConditions", {**conditions, "downloadThroughput": 5000})
             page.click("#run")
-            expect(page.locator("#output-tokens .tok").nth(40)).to_be_attached()
-            page.locator("#output-tokens .tok").nth(12).hover()
+            expect(page.locator("#output-tokens .tok").nth(min(30, room // 2))).to_be_attached()
+            word = page.evaluate(  # open a word's alternatives, not a newline's
+                "[...document.querySelectorAll('#output-tokens .tok')]"
+                ".findIndex((e, i) => i >= 6 && /[a-z]{2}/i.test(e.textContent))"
+            )
+            page.locator("#output-tokens .tok").nth(max(word, 0)).hover()
             expect(page.locator("#popup")).to_be_visible()
             expect(page.locator("#stop")).to_be_enabled()  # still generating
             page.screenshot(path=str(out))
