@@ -271,6 +271,56 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dkdv_tiles(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    stride_qt,
+    stride_qd,
+    stride_dt,
+    stride_dd,
+    offs_n,
+    offs_m0,
+    offs_d,
+    d_ok,
+    lo,
+    hi,
+    TQ,
+    shift,
+    qk_scale,
+    CAUSAL_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < TQ
+        qd_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(
+            Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0
+        )  # (BLOCK_M, BLOCK_D)
+        do = tl.load(
+            DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=qd_mask, other=0.0
+        )
+        lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)  # (BLOCK_M,)
+        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        pt = tl.exp2(st - lse[None, :])  # P^T
+        if CAUSAL_MASK:
+            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + shift, pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q,
     K,
@@ -336,31 +386,66 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     shift = TK - TQ
-    lo = 0
     if CAUSAL:
-        # the first query that sees key start_n sits at row start_n - shift
+        # query blocks before `lo` see none of these keys; from `mid` on they see all of them
         lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
-    for start_m in range(lo, TQ, BLOCK_M):
-        offs_m = start_m + offs_m0
-        m_ok = offs_m < TQ
-        qd_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(
-            Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0
-        )  # (BLOCK_M, BLOCK_D)
-        do = tl.load(
-            DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=qd_mask, other=0.0
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            stride_qt,
+            stride_qd,
+            stride_dt,
+            stride_dd,
+            offs_n,
+            offs_m0,
+            offs_d,
+            d_ok,
+            lo,
+            tl.minimum(mid, TQ),
+            TQ,
+            shift,
+            qk_scale,
+            True,
+            BLOCK_M,
+            DOT_PREC,
         )
-        lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)  # (BLOCK_M,)
-        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
-        ok = n_ok[:, None] & m_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[:, None] <= offs_m[None, :] + shift)
-        pt = tl.where(ok, tl.exp2(st - lse[None, :]), 0.0)  # P^T
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+    else:
+        mid = 0
+    # keys past TK and queries past TQ need no mask here: their K, V, Q, dO load as 0, so they
+    # only touch rows of dK and dV that are never stored
+    dk, dv = _dkdv_tiles(
+        dk,
+        dv,
+        k,
+        v,
+        Q,
+        DO,
+        LSE,
+        DELTA,
+        stride_qt,
+        stride_qd,
+        stride_dt,
+        stride_dd,
+        offs_n,
+        offs_m0,
+        offs_d,
+        d_ok,
+        mid,
+        TQ,
+        TQ,
+        shift,
+        qk_scale,
+        False,
+        BLOCK_M,
+        DOT_PREC,
+    )
     dk *= sm_scale
     tl.store(
         DK + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
@@ -372,6 +457,56 @@ def _bwd_dkdv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=kv_mask,
     )
+
+
+@triton.jit
+def _dq_tiles(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    K,
+    V,
+    stride_kt,
+    stride_kd,
+    stride_vt,
+    stride_vd,
+    offs_m,
+    offs_n0,
+    offs_d,
+    d_ok,
+    lo,
+    hi,
+    TK,
+    shift,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < TK
+        kv_mask = n_ok[None, :] & d_ok[:, None]
+        kt = tl.load(
+            K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt, mask=kv_mask, other=0.0
+        )  # (BLOCK_D, BLOCK_N)
+        vt = tl.load(
+            V + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt, mask=kv_mask, other=0.0
+        )
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None] + shift)
+            p = tl.where(ok, p, 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
+    return dq
 
 
 @triton.jit
@@ -441,27 +576,65 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     shift = TK - TQ
-    hi = TK
-    if CAUSAL:
+    full_tk = (TK // BLOCK_N) * BLOCK_N
+    if CAUSAL:  # same split as the forward: unmasked below the diagonal, masked along it
+        n_full = tl.minimum(tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N, full_tk)
         hi = tl.minimum(TK, tl.minimum(start_m + BLOCK_M, TQ) + shift)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < TK
-        kv_mask = n_ok[None, :] & d_ok[:, None]
-        kt = tl.load(
-            K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt, mask=kv_mask, other=0.0
-        )  # (BLOCK_D, BLOCK_N)
-        vt = tl.load(
-            V + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt, mask=kv_mask, other=0.0
-        )
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
-        ok = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= offs_m[:, None] + shift)
-        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
+    else:
+        n_full = full_tk
+        hi = TK
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        stride_kt,
+        stride_kd,
+        stride_vt,
+        stride_vd,
+        offs_m,
+        offs_n0,
+        offs_d,
+        d_ok,
+        0,
+        n_full,
+        TK,
+        shift,
+        qk_scale,
+        False,
+        CAUSAL,
+        BLOCK_N,
+        DOT_PREC,
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        stride_kt,
+        stride_kd,
+        stride_vt,
+        stride_vd,
+        offs_m,
+        offs_n0,
+        offs_d,
+        d_ok,
+        n_full,
+        hi,
+        TK,
+        shift,
+        qk_scale,
+        True,
+        CAUSAL,
+        BLOCK_N,
+        DOT_PREC,
+    )
     dq *= sm_scale
     tl.store(
         DQ + row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],

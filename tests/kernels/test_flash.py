@@ -66,9 +66,12 @@ def test_backward_matches_reference_autograd(B, H, T, D, causal, blocks, dtype, 
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_different_query_and_key_lengths(causal, device):
-    # cross-attention shapes; causal is bottom-right aligned, as in the reference
-    q, k, v = _inputs(2, 2, 19, 48, torch.float32, device, Tk=53)
+@pytest.mark.parametrize("Tk", [53, 33])
+def test_different_query_and_key_lengths(causal, Tk, device):
+    # cross-attention shapes; causal is bottom-right aligned, as in the reference. With Tk - Tq
+    # = 14 and 16-wide tiles the diagonal's first key sits one row before a tile boundary: an
+    # off-by-one in where the unmasked tiles start shows up as a wrong gradient or output.
+    q, k, v = _inputs(2, 2, 19, 48, torch.float32, device, Tk=Tk)
     for t in (q, k, v):
         t.requires_grad_()
     out = triton_flash_attention(q, k, v, causal=causal, blocks=(16, 16))
