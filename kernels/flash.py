@@ -119,11 +119,11 @@ def _flash_fwd_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(1)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
-        pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_m = tl.num_programs(1) - 1 - pid_m
     start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
@@ -241,8 +241,8 @@ def _bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    start_m = tl.program_id(1) * BLOCK_M
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -358,8 +358,8 @@ def _bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    start_n = tl.program_id(1) * BLOCK_N
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
@@ -546,11 +546,11 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(1)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
-        pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_m = tl.num_programs(1) - 1 - pid_m
     start_m = pid_m * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
@@ -679,7 +679,7 @@ class _FlashAttention(torch.autograd.Function):
         block_d = max(16, triton.next_power_of_2(D))
         o = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)  # contiguous
         lse = torch.empty((B * H, TQ), device=q.device, dtype=torch.float32)  # base-2 LSE
-        grid = (triton.cdiv(TQ, block_m), B * H)
+        grid = (B * H, triton.cdiv(TQ, block_m))  # heads on axis 0: no 65535 limit
         _flash_fwd_kernel[grid](
             q,
             k,
@@ -719,7 +719,7 @@ class _FlashAttention(torch.autograd.Function):
             block_m, block_n = ctx.blocks
         block_d = max(16, triton.next_power_of_2(D))
         delta = torch.empty_like(lse)  # (B * H, TQ) fp32
-        _bwd_preprocess_kernel[(triton.cdiv(TQ, block_m), B * H)](
+        _bwd_preprocess_kernel[(B * H, triton.cdiv(TQ, block_m))](
             o,
             do,
             delta,
@@ -746,10 +746,10 @@ class _FlashAttention(torch.autograd.Function):
         )
         strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
         scales = (H, TQ, TK, ctx.sm_scale, ctx.sm_scale * LOG2E)
-        _bwd_dkdv_kernel[(triton.cdiv(TK, block_n), B * H)](
+        _bwd_dkdv_kernel[(B * H, triton.cdiv(TK, block_n))](
             q, k, v, do, dk, dv, lse, delta, *strides, *scales, **common
         )
-        _bwd_dq_kernel[(triton.cdiv(TQ, block_m), B * H)](
+        _bwd_dq_kernel[(B * H, triton.cdiv(TQ, block_m))](
             q, k, v, do, dq, lse, delta, *strides, *scales, **common
         )
         return dq, dk, dv, None, None, None
