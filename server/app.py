@@ -24,13 +24,22 @@ from server.errors import APIError, bad_request, install_error_handlers
 from server.metrics import Metrics
 from server.openai_api import router as openai_router
 from server.params import check_model, encode_text
-from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.protocol import (
+    ERROR_RESPONSES,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from server.settings import Settings
 from server.state import LoadedModel, ServerState
 from server.streams import ClientGone
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_UNCOUNTED_PATHS = ("/health", "/metrics")
 
 
 class Gate:
@@ -51,16 +60,18 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.active >= self.settings.max_concurrent_requests:
+        capped = scope["path"] not in _UNCOUNTED_PATHS  # probes answer even at the cap
+        if capped and self.active >= self.settings.max_concurrent_requests:
             err = APIError(
-                503,
-                "too many concurrent requests; retry later",
+                429,
+                f"too many concurrent requests (at most {self.settings.max_concurrent_requests}); "
+                "retry later",
                 code="too_many_requests",
                 headers={"Retry-After": "1"},
             )
             await err.response()(scope, receive, send)
             return
-        self.active += 1
+        self.active += capped
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -70,7 +81,7 @@ class Gate:
         try:
             await self._handle(scope, receive, counted_send)
         finally:
-            self.active -= 1
+            self.active -= capped
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -180,16 +191,27 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     started = int(time.time())
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=HealthResponse,
+        responses={**ERROR_RESPONSES, 503: {"model": HealthResponse, "description": "not ready"}},
+    )
     async def health() -> JSONResponse:
         status, body = state.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **ERROR_RESPONSES,
+        },
+    )
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> dict:
         state.require_ready()
         card = {
@@ -201,14 +223,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:
         state.require_ready()
         check_model(body.model, state.loaded.name)
         tokens = encode_text(state.loaded.tokenizer, body.prompt, "prompt") if body.prompt else []
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.require_ready()
         check_model(body.model, state.loaded.name)

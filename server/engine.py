@@ -109,10 +109,12 @@ class Engine:
             )
         need = -(-total // self.config.block_size)
         if need > self.cache.num_blocks:
+            pool_tokens = self.cache.num_blocks * self.config.block_size
             raise RequestError(
-                f"the request needs {need} KV cache blocks but the pool has "
-                f"{self.cache.num_blocks}; ask for fewer tokens",
-                param="max_tokens",
+                f"the request needs {need} KV cache blocks ({total} tokens) but the pool has "
+                f"{self.cache.num_blocks} ({pool_tokens} tokens); ask for fewer tokens",
+                param="max_tokens" if len(prompt_ids) < pool_tokens else "prompt",
+                code="kv_cache_exceeded",
             )
 
     def abort(self, request_id: str) -> bool:

@@ -23,7 +23,14 @@ from server.params import (
     completion_params,
     completion_prompts,
 )
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import (
+    COMPLETION_ERRORS,
+    SSE_RESPONSE,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from server.sequence import TokenEvent
 from server.state import ServerState
 from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
@@ -138,7 +145,11 @@ def _new_job(
     )  # fmt: skip
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={**SSE_RESPONSE, **COMPLETION_ERRORS},
+)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
     aeng = state.require_ready()
@@ -179,7 +190,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(out)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**SSE_RESPONSE, **COMPLETION_ERRORS},
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
     aeng = state.require_ready()
@@ -192,7 +207,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             f"this model's maximum context length is {engine.max_len} tokens; the messages "
             f"take {len(ids)}", "messages", code="context_length_exceeded",
         )  # fmt: skip
-    params = chat_params(body, settings, engine.model.config.vocab_size, room, loaded.template)
+    # the default max_tokens fills the context, but no more than the KV pool holds (a pool
+    # smaller than one context would otherwise refuse every chat request without max_tokens)
+    pool_room = engine.cache.num_blocks * engine.config.block_size - len(ids)
+    default = max(1, min(room, pool_room))
+    params = chat_params(body, settings, engine.model.config.vocab_size, default, loaded.template)
     check_prompts(engine, [ids], params, settings, "messages")
     _check_queue(state, aeng)
     usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)

@@ -85,3 +85,146 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     tokens: list[int]
     model: str | None = None
+
+
+# ---- responses (for the OpenAPI schema; the handlers build these shapes as plain dicts) -------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorInfo
+
+
+_ERROR = {"model": ErrorBody}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    # "4XX" also keeps FastAPI from documenting a 422 that this server never sends
+    "4XX": {**_ERROR, "description": "bad request, auth, unknown model, body too large, overload"},
+    503: {**_ERROR, "description": "not ready, engine failed"},
+}
+COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    504: {**_ERROR, "description": "--request-timeout exceeded"},
+}
+SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "a JSON body, or with `stream: true` server-sent events ending in `[DONE]`",
+        "content": {
+            "text/event-stream": {  # OpenAPI 3.1: `schema` describes one event
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": 'a JSON chunk, an {"error": ...} object or [DONE]',
+                        }
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "failed", "dead"]
+    model: str | None = None
+    failed_steps: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+    error: str | None = None
