@@ -742,24 +742,25 @@ def train(a: argparse.Namespace) -> None:
         if not applied:
             row["skipped"] = True
         is_eval = step % a.eval_interval == 0 or step == a.max_steps
+        val_loss = None
+        if is_eval and val_tokens is not None:
+            val_sampler = BatchSampler(val_tokens, model.config.block_size, a.batch_size,
+                                       [a.seed, info.rank, 1])
+            val_loss = evaluate(model, val_sampler, a.eval_iters, device, autocast)
+            row["val_loss"] = val_loss
+        # The row goes to disk before the checkpoint: a kill in between resumes from the
+        # previous checkpoint and drops the row, never losing one that the checkpoint covers.
+        if info.master and (is_eval or step % a.log_interval == 0):
+            append_metrics(metrics, row)
         if is_eval:
-            val_loss = None
-            if val_tokens is not None:
-                val_sampler = BatchSampler(val_tokens, model.config.block_size, a.batch_size,
-                                           [a.seed, info.rank, 1])
-                val_loss = evaluate(model, val_sampler, a.eval_iters, device, autocast)
-                row["val_loss"] = val_loss
             checkpoint(val_loss)
             if info.master:
+                plot_losses(metrics, out / "loss.png")
                 text = sample_text(model, a.sample_tokens, device, a.seed) if a.sample_tokens \
                     else ""
                 msg = f"step {step}: train {loss:.4f}"
                 msg += f", val {val_loss:.4f}" if val_loss is not None else ""
                 bar.write(msg + (f" | sample: {text!r}" if text else ""))
-        if info.master and (is_eval or step % a.log_interval == 0):
-            append_metrics(metrics, row)
-            if is_eval:
-                plot_losses(metrics, out / "loss.png")
     bar.close()
     if info.master:
         print(f"done: {step} steps; checkpoint in {out}"
