@@ -57,6 +57,8 @@ class Engine:
         self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None
     ) -> None:
         self.model = model.eval()
+        if next(model.parameters()).device.type == "cpu":
+            model.use_column_major_weights()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -18,3 +19,39 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().float(), expected.detach().float()
     diff = (actual - expected).abs().max()
     return float(diff / expected.abs().max().clamp_min(1e-6))
+
+
+def paged_batch(ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0):
+    """Pools full of NaN except the slots the sequences own, in shuffled pool blocks.
+
+    Tables are padded with block 0, which nobody owns: a kernel that reads past a context, or
+    through a padding entry, without masking the load picks up NaN.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in ctx_lens]
+    num_blocks = sum(pages) + 3  # a few blocks nobody owns
+    order = list(range(1, num_blocks))  # block 0 stays garbage and pads the tables
+    random.Random(seed).shuffle(order)
+    shape = (num_blocks, page_size, n_head, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    tables = []
+    for n, n_pages in zip(ctx_lens, pages):
+        blocks, order = order[:n_pages], order[n_pages:]
+        for pos in range(n):
+            k_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
+                n_head, head_dim, generator=gen
+            )
+            v_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
+                n_head, head_dim, generator=gen
+            )
+        tables.append(blocks)
+    width = max(len(t) for t in tables) + 1  # wider than needed, padded with block 0
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(query_start[-1]), n_head, head_dim, generator=gen)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    return tuple(
+        t.to(device, dtype) if t.is_floating_point() else t.to(device)
+        for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)
+    )

@@ -2,53 +2,15 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
-from kernel_testing import TOLERANCE, rel_error  # noqa: E402
+from kernel_testing import TOLERANCE, paged_batch, rel_error  # noqa: E402
 
 from kernels.paged import triton_paged_attention  # noqa: E402
 from kernels.reference import paged_attention_reference  # noqa: E402
-
-
-def _paged_batch(ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0):
-    """Pools full of NaN except the slots the sequences own, in shuffled pool blocks.
-
-    Tables are padded with block 0, which nobody owns: a kernel that reads past a context, or
-    through a padding entry, without masking the load picks up NaN.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    pages = [-(-n // page_size) for n in ctx_lens]
-    num_blocks = sum(pages) + 3  # a few blocks nobody owns
-    order = list(range(1, num_blocks))  # block 0 stays garbage and pads the tables
-    random.Random(seed).shuffle(order)
-    shape = (num_blocks, page_size, n_head, head_dim)
-    k_cache = torch.full(shape, float("nan"))
-    v_cache = torch.full(shape, float("nan"))
-    tables = []
-    for n, n_pages in zip(ctx_lens, pages):
-        blocks, order = order[:n_pages], order[n_pages:]
-        for pos in range(n):
-            k_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
-                n_head, head_dim, generator=gen
-            )
-            v_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
-                n_head, head_dim, generator=gen
-            )
-        tables.append(blocks)
-    width = max(len(t) for t in tables) + 1  # wider than needed, padded with block 0
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(query_start[-1]), n_head, head_dim, generator=gen)
-    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
-    return tuple(
-        t.to(device, dtype) if t.is_floating_point() else t.to(device)
-        for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)
-    )
 
 
 def _check(args, dtype, **kw):
@@ -67,14 +29,14 @@ MIXED = dict(ctx_lens=[1, 150, 9, 40, 33], q_lens=[1, 1, 9, 17, 33])
 
 @pytest.mark.parametrize("split_size", [None, 16, 48], ids=["one-split", "split16", "split48"])
 def test_mixed_decode_and_prefill(split_size, dtype, device):
-    args = _paged_batch(**MIXED, page_size=8, n_head=2, head_dim=48, dtype=dtype, device=device)
+    args = paged_batch(**MIXED, page_size=8, n_head=2, head_dim=48, dtype=dtype, device=device)
     _check(args, dtype, split_size=split_size, block_n=16)
 
 
 @pytest.mark.parametrize("page_size", [5, 16, 32], ids=lambda p: f"page{p}")
 def test_page_sizes_that_do_not_match_the_tile(page_size, device):
     # page 5 does not divide the 16-key tile; page 32 is larger than it
-    args = _paged_batch(
+    args = paged_batch(
         **MIXED,
         page_size=page_size,
         n_head=2,
@@ -88,7 +50,7 @@ def test_page_sizes_that_do_not_match_the_tile(page_size, device):
 
 def test_decode_batch_with_long_contexts_split(dtype, device):
     # N == B: the decode path plans without reading lengths back; 10 splits of 32 keys
-    args = _paged_batch(
+    args = paged_batch(
         ctx_lens=[300, 2, 77, 161],
         q_lens=[1, 1, 1, 1],
         page_size=16,
@@ -104,7 +66,7 @@ def test_decode_batch_with_long_contexts_split(dtype, device):
 def test_long_prefill_spans_query_blocks(device):
     # 70 new tokens after 30 cached: several query blocks; rows early in the block see no key in
     # later splits, which must give weight 0 in the merge and no NaN
-    args = _paged_batch(
+    args = paged_batch(
         ctx_lens=[100, 3],
         q_lens=[70, 2],
         page_size=8,
@@ -119,7 +81,7 @@ def test_long_prefill_spans_query_blocks(device):
 
 def test_strided_queries_and_explicit_max_query_len(device):
     # the model passes q as a view of the fused qkv projection
-    q, k_cache, v_cache, tables, ctx, starts = _paged_batch(
+    q, k_cache, v_cache, tables, ctx, starts = paged_batch(
         **MIXED, page_size=8, n_head=2, head_dim=48, dtype=torch.float32, device=device, seed=4
     )
     qkv = torch.cat([q, torch.randn_like(q), torch.randn_like(q)], dim=1)  # (N, 3H, D)
@@ -130,7 +92,7 @@ def test_strided_queries_and_explicit_max_query_len(device):
 
 
 def test_default_split_heuristic_and_scale(device):
-    args = _paged_batch(
+    args = paged_batch(
         ctx_lens=[64, 200],
         q_lens=[1, 5],
         page_size=16,

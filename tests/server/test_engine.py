@@ -184,6 +184,9 @@ class NextTokenModel(nn.Module):
         self.vocab = vocab
         self.w = nn.Parameter(torch.zeros(1))
 
+    def use_column_major_weights(self):
+        pass  # nothing to lay out: the mock has no weights that matter
+
     def make_cache(self, num_blocks, block_size=16, **kw):
         return KVCache(1, 1, 2, num_blocks, block_size)
 
