@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server.chat import ChatTemplate, ChatTemplateError
-from server.settings import DEFAULT_MODEL_DIR, SettingsError, settings_from_args
+from server.settings import SettingsError, settings_from_args
 from tests.server.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,11 +31,18 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(DEFAULT_MODEL_DIR.exists(), reason="the bundled default model exists")
 def test_missing_default_model_is_one_line_exit_2() -> None:
-    out = run_cli("--port", "1")
+    missing = "/nonexistent/default_model"
+    code = (
+        "import sys, server; from pathlib import Path; "
+        f"server.DEFAULT_MODEL_DIR = Path({missing!r}); "
+        "from server.__main__ import main; sys.exit(main(['--port', '1']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().count("\n") == 0 and str(DEFAULT_MODEL_DIR) in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and missing in out.stderr
     assert out.stderr.startswith("error: ")
 
 
