@@ -42,6 +42,7 @@ from model import (
     load_checkpoint,
     save_checkpoint,
 )
+from model.checkpoint import atomic_write
 
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.jsonl"
@@ -409,20 +410,7 @@ def sample_text(model: GPT, n_tokens: int, device: torch.device, seed: int) -> s
 
 def atomic_torch_save(obj: Any, target: Path) -> None:
     """torch.save through a temp file in the same directory, fsync, rename."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(target, lambda tmp: torch.save(obj, tmp))
 
 
 def read_train_state(out: Path) -> dict[str, Any]:

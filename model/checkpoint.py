@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,15 +46,18 @@ def save_checkpoint(
         for k, v in model.state_dict().items()
         if not (model.config.tie_embeddings and k == "lm_head.weight")
     }
-    _atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config_text = json.dumps(model.config.to_dict(), indent=2) + "\n"
-    _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(config_text))
+    atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(config_text))
     for name, text in (extra_files or {}).items():
-        _atomic_write(path / name, lambda tmp, t=text: Path(tmp).write_text(t))
+        atomic_write(path / name, lambda tmp, t=text: Path(tmp).write_text(t))
 
 
-def _atomic_write(target: Path, write) -> None:
-    """Write through a temp file in the same directory, fsync, then rename over target."""
+def atomic_write(target: Path, write: Callable[[str], object]) -> None:
+    """Call write(temp_path) for a temp file beside target, fsync it, rename it over target.
+
+    A reader (or a process killed half-way) sees the old file or the new one, never a mix.
+    """
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         write(str(tmp))
