@@ -61,6 +61,7 @@ def atomic_write(target: Path, write: Callable[[str], object]) -> None:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         write(str(tmp))
+        os.chmod(tmp, 0o644)  # safetensors creates 0600 files; a checkpoint is for others to read
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)

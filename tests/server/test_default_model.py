@@ -1,0 +1,68 @@
+"""The bundled default model: present, small, trained on Shakespeare, and what `python -m server` serves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import torch.nn.functional as F
+
+from model import get_tokenizer, load_checkpoint
+from server import DEFAULT_MODEL_DIR
+from tests.server.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_default_model_is_small_and_trained(shakespeare_path: Path) -> None:
+    weights = DEFAULT_MODEL_DIR / "model.safetensors"
+    assert weights.stat().st_size < 64 * 2**20
+    model = load_checkpoint(DEFAULT_MODEL_DIR, dtype=torch.float32)
+    tok = get_tokenizer(model.config.tokenizer)
+    # the corpus's last tenth is train.py's validation split: text the model never trained on
+    text = shakespeare_path.read_text()
+    ids = tok.encode(text[-len(text) // 20 :])
+    T = model.config.block_size
+    batch = torch.tensor(ids[: 8 * T]).view(8, T)
+    with torch.no_grad():
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    assert loss.item() < 5.5  # an untrained model scores about ln(50257) = 10.8
+
+
+def test_python_m_server_serves_the_default_model() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the server did not become healthy in 120 s")
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == DEFAULT_MODEL_DIR.name
+        body = {"prompt": "ROMEO:\n", "max_tokens": 40, "temperature": 0.8, "seed": 3}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        text = r.json()["choices"][0]["text"]
+        assert len(text.split()) >= 5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
