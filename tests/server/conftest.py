@@ -56,6 +56,27 @@ class LiveServer:
         return False
 
 
+def slow_steps(live: LiveServer, delay: float = 0.02) -> None:
+    """Make every model step of a live server take `delay` longer, so requests stay running."""
+    fast = live.engine.model.forward_cached
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(delay)
+        return fast(*args, **kwargs)
+
+    live.engine.model.forward_cached = slow
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:  # noqa: ANN001
+    """Poll predicate every 10 ms; True as soon as it holds, False after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 @contextmanager
 def live_server(settings: Settings) -> Iterator[LiveServer]:
     """Serve create_app(settings) from a thread; always shut down."""

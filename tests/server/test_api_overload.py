@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,30 +10,14 @@ import openai
 import pytest
 
 from server.settings import Settings
-from tests.server.conftest import MODEL_NAME, LiveServer, live_server
+from tests.server.conftest import MODEL_NAME, LiveServer, live_server, slow_steps, wait_until
 
 
 @pytest.fixture(scope="module")
 def small_server(tiny_checkpoint: Path) -> Iterator[LiveServer]:
     with live_server(Settings(model=str(tiny_checkpoint), max_num_seqs=1, max_queue=1)) as live:
-        model = live.engine.model
-        fast = model.forward_cached
-
-        def slow(*args, **kwargs):  # ~20 ms a step, so a long request stays running for a while
-            time.sleep(0.02)
-            return fast(*args, **kwargs)
-
-        model.forward_cached = slow
+        slow_steps(live)  # ~20 ms a step, so a long request stays running for a while
         yield live
-
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_queue_full_then_recovers(small_server: LiveServer) -> None:

@@ -19,7 +19,14 @@ import torch
 
 from model.cache import KVCache
 from server.settings import Settings
-from tests.server.conftest import API_KEY, MODEL_NAME, LiveServer, live_server
+from tests.server.conftest import (
+    API_KEY,
+    MODEL_NAME,
+    LiveServer,
+    live_server,
+    slow_steps,
+    wait_until,
+)
 
 STEP_DELAY = 0.02  # seconds added to every model step
 
@@ -27,24 +34,8 @@ STEP_DELAY = 0.02  # seconds added to every model step
 @contextmanager
 def slow_server(settings: Settings) -> Iterator[LiveServer]:
     with live_server(settings) as live:
-        model = live.engine.model
-        fast = model.forward_cached
-
-        def slow(*args, **kwargs):
-            time.sleep(STEP_DELAY)
-            return fast(*args, **kwargs)
-
-        model.forward_cached = slow
+        slow_steps(live, STEP_DELAY)
         yield live
-
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def sse_data(lines: Iterator[str]) -> list[str]:

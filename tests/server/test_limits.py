@@ -7,7 +7,6 @@ documents the flag.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from server.settings import Settings, build_parser
-from tests.server.conftest import MODEL_NAME, LiveServer, live_server
+from tests.server.conftest import MODEL_NAME, LiveServer, live_server, slow_steps
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = dict(
@@ -34,14 +33,7 @@ LIMITS = dict(
 @pytest.fixture(scope="module")
 def limited(tiny_checkpoint: Path) -> Iterator[LiveServer]:
     with live_server(Settings(model=str(tiny_checkpoint), **LIMITS)) as live:
-        model = live.engine.model
-        fast = model.forward_cached
-
-        def slow(*args, **kwargs):  # requests held open for the concurrency case stay open
-            time.sleep(0.02)
-            return fast(*args, **kwargs)
-
-        model.forward_cached = slow
+        slow_steps(live)  # requests held open for the concurrency case stay open
         yield live
 
 
