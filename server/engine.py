@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.cache import KVCache, OutOfBlocks
+from model.cpu_memory import retain_freed_memory
 from model.gpt import GPT
 from model.sampling import SampleRow, SamplingParams, prompt_logprobs, sample
 from model.tokenizer import Tokenizer
@@ -58,7 +59,8 @@ class Engine:
     ) -> None:
         self.model = model.eval()
         if next(model.parameters()).device.type == "cpu":
-            model.use_column_major_weights()
+            retain_freed_memory()
+            model.pack_for_cpu_inference()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config

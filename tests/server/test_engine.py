@@ -184,7 +184,7 @@ class NextTokenModel(nn.Module):
         self.vocab = vocab
         self.w = nn.Parameter(torch.zeros(1))
 
-    def use_column_major_weights(self):
+    def pack_for_cpu_inference(self):
         pass  # nothing to lay out: the mock has no weights that matter
 
     def make_cache(self, num_blocks, block_size=16, **kw):
