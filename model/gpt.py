@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import flash_attention, paged_attention
 from model.cache import CacheBatch, KVCache
 from model.config import ModelConfig
-from model.packed_linear import PackedEmbedding, pack_linears
+from model.packed_linear import PackedEmbedding, PackedLinear, pack_linears
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -211,6 +211,8 @@ class GPT(nn.Module):
         For inference only: the packed weights take no gradients and the parameter names change.
         A tied embedding then reads its rows from the packed head, so the table is stored once.
         """
+        if isinstance(self.lm_head, PackedLinear):
+            return  # already packed (several engines may share one model)
         parts = parts or torch.get_num_threads()
         tied = self.lm_head.weight is self.transformer.wte.weight
         pack_linears(self, parts)

@@ -1,0 +1,55 @@
+import pytest
+import torch
+import torch.nn as nn
+
+from model import GPT
+from model.config import ModelConfig
+from model.packed_linear import PackedLinear, pack_linears
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_computes_what_the_linear_computes(parts, bias):
+    torch.manual_seed(parts)
+    linear = nn.Linear(24, 37, bias=bias)  # 37 columns do not split evenly: padding is cut off
+    packed = PackedLinear(linear, parts)
+    for shape in [(1, 24), (5, 24), (2, 3, 24)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-6)
+    assert packed.weight.shape == (parts, 24, -(-37 // parts))
+    assert not packed.weight.requires_grad
+
+
+def test_rows_read_the_original_weight_rows():
+    linear = nn.Linear(8, 11, bias=False)
+    packed = PackedLinear(linear, 3)
+    index = torch.tensor([[0, 3], [10, 4]])
+    torch.testing.assert_close(packed.rows(index), linear.weight.detach()[index])
+
+
+def test_pack_linears_replaces_nested_linears():
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 2)))
+    x = torch.randn(3, 4)
+    before = model(x)
+    pack_linears(model, 2)
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    torch.testing.assert_close(model(x), before)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=101,
+                      tie_embeddings=tie)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        before = model(idx)
+        n_params = model.num_params()
+        model.pack_for_cpu_inference(parts=2)
+        model.pack_for_cpu_inference(parts=2)  # a second call changes nothing
+        after = model(idx)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    # packing pads each matrix to a multiple of `parts` columns, and stores nothing twice
+    padding = sum(p.numel() for p in model.parameters()) - n_params
+    assert 0 <= padding < 2 * 32 * 4 * cfg.n_layer + 2 * 32
