@@ -205,7 +205,7 @@ class GPT(nn.Module):
         return self._head(x[index])  # (M, V)
 
     @torch.no_grad()
-    def pack_for_cpu_inference(self, parts: int | None = None) -> None:
+    def pack_for_cpu_inference(self, threads: int | None = None) -> None:
         """Swap every Linear for a `PackedLinear` (same function) so decode uses all CPU threads.
 
         For inference only: the packed weights take no gradients and the parameter names change.
@@ -213,9 +213,8 @@ class GPT(nn.Module):
         """
         if isinstance(self.lm_head, PackedLinear):
             return  # already packed (several engines may share one model)
-        parts = parts or torch.get_num_threads()
         tied = self.lm_head.weight is self.transformer.wte.weight
-        pack_linears(self, parts)
+        pack_linears(self, threads or torch.get_num_threads())
         if tied:
             self.transformer.wte = PackedEmbedding(self.lm_head)
 

@@ -46,10 +46,21 @@ def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie):
     with torch.no_grad():
         before = model(idx)
         n_params = model.num_params()
-        model.pack_for_cpu_inference(parts=2)
-        model.pack_for_cpu_inference(parts=2)  # a second call changes nothing
+        model.pack_for_cpu_inference(threads=2)
+        model.pack_for_cpu_inference(threads=2)  # a second call changes nothing
         after = model(idx)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     # packing pads each matrix to a multiple of `parts` columns, and stores nothing twice
     padding = sum(p.numel() for p in model.parameters()) - n_params
     assert 0 <= padding < 2 * 32 * 4 * cfg.n_layer + 2 * 32
+
+
+def test_slab_count_is_one_per_thread_until_a_slab_would_exceed_the_cap():
+    from model.packed_linear import SLAB_BYTES, slab_count
+
+    small = nn.Linear(64, 64)
+    assert slab_count(small, 2) == 2
+    assert slab_count(small, 3) == 3
+    rows = SLAB_BYTES // (4 * 64)  # one cap's worth of fp32 (out, 64) rows
+    big = nn.Linear(64, 5 * rows, bias=False)
+    assert slab_count(big, 2) == 6  # 5 caps over 2 threads -> 3 slabs per thread
