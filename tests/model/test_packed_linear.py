@@ -9,20 +9,23 @@ from model.packed_linear import PackedLinear, pack_linears
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_linear_computes_what_the_linear_computes(parts, bias):
+@pytest.mark.parametrize("column_major", [False, True])
+def test_packed_linear_computes_what_the_linear_computes(parts, bias, column_major):
     torch.manual_seed(parts)
     linear = nn.Linear(24, 37, bias=bias)  # 37 columns do not split evenly: padding is cut off
-    packed = PackedLinear(linear, parts)
+    packed = PackedLinear(linear, parts, column_major)
     for shape in [(1, 24), (5, 24), (2, 3, 24)]:
         x = torch.randn(shape)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-6)
-    assert packed.weight.shape == (parts, 24, -(-37 // parts))
+    width = -(-37 // parts)
+    assert packed.weight.shape == ((parts, 24, width) if column_major else (parts, width, 24))
     assert not packed.weight.requires_grad
 
 
-def test_rows_read_the_original_weight_rows():
+@pytest.mark.parametrize("column_major", [False, True])
+def test_rows_read_the_original_weight_rows(column_major):
     linear = nn.Linear(8, 11, bias=False)
-    packed = PackedLinear(linear, 3)
+    packed = PackedLinear(linear, 3, column_major)
     index = torch.tensor([[0, 3], [10, 4]])
     torch.testing.assert_close(packed.rows(index), linear.weight.detach()[index])
 
