@@ -5,7 +5,8 @@ server's tok/s at concurrency 1 against the Engine run offline in this process o
 
 Without --model a randomly initialised GPT-2 124M is saved to a temporary directory and served.
 Prints TTFT and inter-token latency (p50/p95), aggregate tok/s and errors per concurrency, then
-the HTTP+SSE overhead as server tok/s / offline tok/s at concurrency 1 (goal: >= 0.90).
+the HTTP+SSE overhead as server tok/s / offline tok/s at concurrency 1 (goal: >= 0.90), the two
+measured in alternating rounds.
 """
 
 from __future__ import annotations
@@ -56,22 +57,26 @@ def pct(values: list[float], q: float) -> float:
     )
 
 
-def offline_rate(path: Path, max_tokens: int, requests: int) -> float:
-    """tok/s of the Engine alone, one request at a time, same prompt and length as the server run."""
-    model = load_checkpoint(path)
-    tok = get_tokenizer()
-    engine = Engine(model, tok, EngineConfig(max_num_seqs=32))
-    ids = tok.encode(PROMPT)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
-    engine.add_request("warmup", ids, params)
-    while engine.has_work():
-        engine.step()
-    t0, tokens = time.perf_counter(), 0
-    for i in range(requests):
-        engine.add_request(f"r{i}", ids, params)
-        while engine.has_work():
-            tokens += sum(len(e.token_ids) for e in engine.step())
-    return tokens / (time.perf_counter() - t0)
+class Offline:
+    """The Engine alone in this process, one request at a time, same prompt and length as the
+    server run."""
+
+    def __init__(self, path: Path, max_tokens: int) -> None:
+        self.tok = get_tokenizer()
+        self.engine = Engine(load_checkpoint(path), self.tok, EngineConfig(max_num_seqs=32))
+        self.ids = self.tok.encode(PROMPT)
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+        self.runs = 0
+        self.rate(1)  # warm-up
+
+    def rate(self, requests: int) -> float:
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(requests):
+            self.runs += 1
+            self.engine.add_request(f"r{self.runs}", self.ids, self.params)
+            while self.engine.has_work():
+                tokens += sum(len(e.token_ids) for e in self.engine.step())
+        return tokens / (time.perf_counter() - t0)
 
 
 async def one_request(client: httpx.AsyncClient, level: Level, max_tokens: int) -> None:
@@ -143,6 +148,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="checkpoint dir (default: random GPT-2 124M)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds for the ratio")
     args = p.parse_args()
     tmp = None
     path = args.model
@@ -152,7 +158,7 @@ def main() -> None:
         torch.manual_seed(0)
         save_checkpoint(GPT(ModelConfig()), path)
     levels = [Level(c, max(4, c if c >= 8 else 4 * c)) for c in args.concurrency]
-    offline = offline_rate(path, args.max_tokens, levels[0].requests)
+    offline = Offline(path, args.max_tokens)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,6 +168,15 @@ def main() -> None:
         asyncio.run(run_level(url, Level(1, 1), args.max_tokens))  # warm-up
         for level in levels:
             asyncio.run(run_level(url, level, args.max_tokens))
+        # the ratio: the two sides alternate and each keeps its best round, so a slow spell on a
+        # shared machine does not land on one side only
+        requests = levels[0].requests
+        offline_best = served_best = 0.0
+        for _ in range(args.rounds):
+            offline_best = max(offline_best, offline.rate(requests))
+            one = Level(1, requests)
+            asyncio.run(run_level(url, one, args.max_tokens))
+            served_best = max(served_best, one.tokens / one.wall)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -182,9 +197,9 @@ def main() -> None:
         ]
         print(f"{lv.concurrency:>5} {lv.requests:>5} {ms[0]:>7.1f}ms {ms[1]:>7.1f}ms {ms[2]:>6.1f}ms "
               f"{ms[3]:>6.1f}ms {lv.tokens / lv.wall:>7.1f} {lv.errors:>6}")  # fmt: skip
-    served = levels[0].tokens / levels[0].wall
-    print(f"\nconcurrency {levels[0].concurrency}: server {served:.1f} tok/s vs offline engine "
-          f"{offline:.1f} tok/s -> ratio {served / offline:.3f} (goal >= 0.90)")  # fmt: skip
+    print(f"\nconcurrency 1, best of {args.rounds} alternating rounds of {requests} requests: server "
+          f"{served_best:.1f} tok/s vs offline engine {offline_best:.1f} tok/s -> ratio "
+          f"{served_best / offline_best:.3f} (goal >= 0.90)")  # fmt: skip
 
 
 if __name__ == "__main__":
