@@ -15,7 +15,7 @@ import uvicorn
 
 from server.app import create_app
 from server.settings import SettingsError, settings_from_args
-from server.state import ModelLoadError, load_model
+from server.state import ModelLoadError, load_model_in_thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        loaded = load_model(settings)
+        loaded = load_model_in_thread(settings)
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,29 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     if dtype == "auto":
         return torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32
     return torch.device(device), _DTYPES[dtype]
+
+
+def load_model_in_thread(settings: Settings) -> LoadedModel:
+    """`load_model` in a short-lived thread, so the caller's thread never runs parallel torch work.
+
+    A finished thread's OpenMP pool is freed; one left in the main thread would slow the engine
+    thread down (see server.async_engine).
+    """
+    result: list[LoadedModel] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(load_model(settings))
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="model-loader")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -92,16 +116,15 @@ class ServerState:
             block_size=s.block_size,
             kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
         )
-        engine = Engine(loaded.model, loaded.tokenizer, config)
-        aeng = AsyncEngine(engine)
+        aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config))
         aeng.on_step = self.metrics.on_step
+        engine = aeng.start()  # built in the engine thread (see server.async_engine)
         self.metrics.watch_engine(
             running=lambda: engine.num_running,
             waiting=lambda: aeng.num_waiting,
             kv_usage=lambda: engine.kv_usage,
             failed_steps=lambda: engine.num_failed_steps,
         )
-        aeng.start()
         self.loaded, self.engine, self.aeng = loaded, engine, aeng
         log.info(
             "serving %s from %s on %s (%d KV blocks of %d tokens)",

@@ -1,0 +1,66 @@
+"""AsyncEngine: the engine thread builds the Engine and does every model step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from model import get_tokenizer, load_checkpoint
+from model.sampling import SamplingParams
+from server.async_engine import AsyncEngine
+from server.engine import Engine, EngineConfig
+from server.settings import Settings
+from server.state import ModelLoadError, load_model_in_thread
+
+
+def test_the_engine_is_built_and_stepped_in_the_engine_thread(tiny_checkpoint: Path):
+    model = load_checkpoint(tiny_checkpoint)
+    threads: dict[str, str] = {}
+    original = model.forward_cached
+
+    def forward_cached(*args, **kwargs):
+        threads["step"] = threading.current_thread().name
+        return original(*args, **kwargs)
+
+    model.forward_cached = forward_cached
+
+    def build() -> Engine:
+        threads["build"] = threading.current_thread().name
+        return Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=2, num_blocks=16))
+
+    aeng = AsyncEngine(build)
+    engine = aeng.start()
+    try:
+        assert isinstance(engine, Engine) and aeng.engine is engine
+
+        async def one() -> list[int]:
+            params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+            return [t async for e in aeng.generate("a", [1, 2, 3], params) for t in e.token_ids]
+
+        assert len(asyncio.run(one())) == 3
+    finally:
+        aeng.stop()
+    assert threads == {"build": "engine", "step": "engine"}
+
+
+def test_a_failing_build_is_raised_by_start_and_the_thread_ends():
+    def build() -> Engine:
+        raise ValueError("no room for the KV cache")
+
+    aeng = AsyncEngine(build)
+    with pytest.raises(ValueError, match="no room"):
+        aeng.start()
+    aeng._thread.join(5)
+    assert not aeng._thread.is_alive() and aeng.engine is None
+
+
+def test_load_model_in_thread_returns_the_model_or_raises_the_load_error(
+    tiny_checkpoint: Path, tmp_path: Path
+):
+    loaded = load_model_in_thread(Settings(model=str(tiny_checkpoint)))
+    assert loaded.model.config.n_layer == 2
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model_in_thread(Settings(model=str(tmp_path / "missing")))
