@@ -1,20 +1,26 @@
 """Training throughput: train.py's step vs a plain Hugging Face baseline, in one run.
 
-    python bench/train.py                       # CPU: fp32 (+ bf16 autocast row), ratio table
+    python bench/train.py                       # CPU: fp32 (+ bf16 autocast rows), ratio table
     python bench/train.py --device cuda         # GPU: also MFU (H200 bf16 dense peak 989 TFLOP/s)
 
 Both sides train the same config (6 layers, 6 heads, width 384, block 256, batch 8, GPT-2 vocab)
 on the same random token batches with AdamW (lr 6e-4, weight decay 0.1, grad clip 1.0):
-- ours: train.LossModule(GPT) + train.make_optimizer + train.train_step (what train.py runs);
-- baseline: transformers.GPT2LMHeadModel(labels=...) + torch.optim.AdamW with its defaults.
-Steps of the two alternate in rounds so that a noisy machine slows both alike; the table shows
-the median tokens/s over rounds and the ratio to the baseline.
+- ours: train.LossModule(GPT) + train.make_optimizer + train.train_step, in a process set up as
+  train.py sets itself up (on a CPU: glibc keeps freed memory, model.cpu_memory);
+- baseline: transformers.GPT2LMHeadModel(labels=...) + torch.optim.AdamW with its defaults, in a
+  plain process;
+- on a CPU, also the baseline with the same allocator setting as ours, to show what that part of
+  the difference is.
+Each side lives in its own process (the allocator setting is per process); their steps alternate
+in rounds so that a noisy machine slows all alike. The table shows the median tokens/s over rounds
+and the ratio to the plain baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -25,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import GPT, ModelConfig  # noqa: E402
+from model.cpu_memory import retain_freed_memory  # noqa: E402
 from train import LossModule, make_optimizer, train_step  # noqa: E402
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # bf16 dense
@@ -92,6 +99,60 @@ def timed(step, batches, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def side_worker(kind: str, tuned: bool, args: argparse.Namespace, dtype_name: str, conn) -> None:
+    """One side in its own process: build it, then time a round whenever the parent asks."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if tuned:
+        retain_freed_memory()
+    device, dtype = torch.device(args.device), getattr(torch, dtype_name)
+    cfg = model_config()
+    batches = make_batches(args.steps, args.batch_size, cfg.block_size, cfg.vocab_size, device)
+    if kind == "ours":
+        step, info = ours(cfg, device, dtype, args.compile)
+    else:
+        step, info = baseline(cfg, device, dtype)
+    for x, y in batches[: args.warmup]:
+        step(x, y)
+    conn.send((info, torch.get_num_threads()))
+    while conn.recv():
+        conn.send(timed(step, batches, device))
+    conn.close()
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256)
+
+
+def run_sides(sides: dict[str, tuple[str, bool]], args: argparse.Namespace, dtype_name: str):
+    """{name: (kind, tuned)} -> ({name: [seconds per round]}, {name: info}, threads)."""
+    ctx = mp.get_context("spawn")
+    procs, conns, infos = {}, {}, {}
+    threads = 0
+    try:
+        for name, (kind, tuned) in sides.items():
+            parent, child = ctx.Pipe()
+            procs[name] = ctx.Process(
+                target=side_worker, args=(kind, tuned, args, dtype_name, child), daemon=True
+            )
+            procs[name].start()
+            conns[name] = parent
+            infos[name], threads = parent.recv()  # built and warmed up, one side at a time
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(args.rounds):
+            for name in sides:
+                conns[name].send(True)
+                times[name].append(conns[name].recv())
+        for conn in conns.values():
+            conn.send(False)
+    finally:
+        for proc in procs.values():
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    return times, infos, threads
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,56 +162,55 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per side first")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--compile", action="store_true", help="add a torch.compile row for ours")
+    p.add_argument("--compile", action="store_true", help="torch.compile our side")
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast rows")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "cuda" or (
-        args.device == "auto" and torch.cuda.is_available()) else "cpu")
-    cfg = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu = args.device == "cpu"
+    cfg = model_config()
     tokens_per_step = args.batch_size * cfg.block_size
-    batches = make_batches(args.steps, args.batch_size, cfg.block_size, cfg.vocab_size, device)
+    dtypes = ["float32"] if cpu else ["bfloat16"]
+    if cpu and not args.no_bf16:
+        dtypes.append("bfloat16")
 
-    dtypes = [torch.float32] if device.type == "cpu" else [torch.bfloat16]
-    if device.type == "cpu" and not args.no_bf16:
-        dtypes.append(torch.bfloat16)
-    sides: dict[str, object] = {}
-    n_params = 0
-    for dtype in dtypes:
-        tag = "fp32" if dtype == torch.float32 else "bf16 autocast"
-        sides[f"ours ({tag})"], n_params = ours(cfg, device, dtype, False)
-        if args.compile:
-            sides[f"ours + torch.compile ({tag})"], _ = ours(cfg, device, dtype, True)
-        step, attn = baseline(cfg, device, dtype)
-        sides[f"HF GPT2LMHeadModel + AdamW ({tag}, attn={attn})"] = step
-    for step in sides.values():
-        for x, y in batches[: args.warmup]:
-            step(x, y)
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name, step in sides.items():
-            times[name].append(timed(step, batches, device))
+    rows: list[tuple[str, float, float]] = []  # (name, tokens/s, vs plain baseline)
+    rounds: dict[str, list[float]] = {}  # seconds per step, each round
+    n_params, threads = 0, 0
+    for dtype_name in dtypes:
+        tag = "fp32" if dtype_name == "float32" else "bf16 autocast"
+        sides = {f"ours ({tag})": ("ours", cpu), f"HF baseline ({tag})": ("hf", False)}
+        if cpu:
+            sides[f"HF baseline, glibc tuned as ours ({tag})"] = ("hf", True)
+        times, infos, threads = run_sides(sides, args, dtype_name)
+        n_params = infos[f"ours ({tag})"]
+        tok_s = {n: tokens_per_step * args.steps / statistics.median(t) for n, t in times.items()}
+        ref = tok_s[f"HF baseline ({tag})"]
+        attn = infos[f"HF baseline ({tag})"]
+        for name, value in tok_s.items():
+            label = name.replace("HF baseline", f"HF (attn={attn})")
+            rows.append((label, value, value / ref))
+            rounds[label] = [t / args.steps for t in times[name]]
 
-    tok_s = {n: tokens_per_step * args.steps / statistics.median(t) for n, t in times.items()}
     # nanoGPT's estimate: 6N per token for the matmuls plus attention's 12 * L * C * T.
     flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
     peak = None
-    if device.type == "cuda":
+    gpu = ""
+    if not cpu:
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
-    print(f"\ndevice {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else ''}"
-          f"{torch.get_num_threads()} threads), torch {torch.__version__}; config 6L/6H/384, "
-          f"block 256, batch {args.batch_size}, {n_params / 1e6:.1f}M params; median of "
-          f"{args.rounds} rounds x {args.steps} steps\n")
-    print(f"{'':58s} {'tokens/s':>10s} {'ms/step':>9s} {'vs HF':>7s}" + ("  MFU" if peak else ""))
-    for name, value in tok_s.items():
-        tag = name[name.index("(") + 1: name.index("(") + 5]
-        ref = next(v for n, v in tok_s.items() if n.startswith("HF") and tag in n)
-        line = f"{name:58s} {value:10.0f} {1000 * tokens_per_step / value:9.1f} {value / ref:6.2f}x"
+    print(f"\ndevice {args.device} ({gpu or f'{threads} threads'}), torch {torch.__version__}; "
+          f"config 6L/6H/384, block 256, batch {args.batch_size}, {n_params / 1e6:.1f}M params; "
+          f"median of {args.rounds} rounds x {args.steps} steps, each side in its own process\n")
+    print(f"{'':52s} {'tokens/s':>10s} {'ms/step':>9s} {'vs HF':>7s}" + ("  MFU" if peak else ""))
+    for name, value, ratio in rows:
+        line = f"{name:52s} {value:10.0f} {1000 * tokens_per_step / value:9.1f} {ratio:6.2f}x"
         if peak:
             line += f"  {100 * value * flops_per_token / (peak * 1e12):4.1f}%"
         print(line)
+    print("\nseconds per step in each round (the machine's noise is the spread):")
+    for name, values in rounds.items():
+        print(f"  {name:50s} " + " ".join(f"{v:.2f}" for v in values))
 
 
 if __name__ == "__main__":
