@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_testing import TOLERANCE, paged_batch, rel_error
 
+import kernels.sdpa_paged as sdpa_paged
 from kernels.reference import paged_attention_reference
 from kernels.sdpa_paged import paged_attention_sdpa
 
@@ -21,7 +22,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("page_size", [5, 16])
-def test_matches_reference_and_never_reads_garbage(case, page_size, dtype):
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "groups-of-1"])
+def test_matches_reference_and_never_reads_garbage(case, page_size, grouped, dtype, monkeypatch):
+    if grouped:  # every sequence its own group: the per-group slicing and concatenation
+        monkeypatch.setattr(sdpa_paged, "GROUP_BYTES", 1)
     args = paged_batch(
         **CASES[case], page_size=page_size, n_head=3, head_dim=40, dtype=dtype, device="cpu"
     )
@@ -33,8 +37,6 @@ def test_matches_reference_and_never_reads_garbage(case, page_size, dtype):
 
 
 def test_layers_of_one_step_share_a_plan_and_a_changed_batch_gets_a_new_one():
-    import kernels.sdpa_paged as sdpa_paged
-
     q, k_cache, v_cache, tables, ctx, starts = paged_batch(
         **CASES["mixed"], page_size=5, n_head=2, head_dim=8, dtype=torch.float32, device="cpu"
     )
