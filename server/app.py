@@ -105,20 +105,24 @@ class Gate:
             if int(declared) > limit:
                 await _too_large(limit).response()(scope, receive, send)
                 return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _too_large(limit).response()(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        try:
+            async with asyncio.timeout(self.settings.body_timeout):
+                body = await _read_body(receive, limit)
+        except TimeoutError:  # a client that stalls mid-body must not hold a slot for ever
+            seconds = f"{self.settings.body_timeout:g}"
+            err = APIError(
+                408,
+                f"the request body did not arrive within {seconds} seconds",
+                code="body_timeout",
+            )
+            await err.response()(scope, receive, send)
+            return
+        if body is None:  # the client left
+            return
+        if len(body) > limit:
+            await _too_large(limit).response()(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
@@ -130,6 +134,20 @@ class Gate:
         for key in self.keys:  # every key is compared, in constant time
             ok |= hmac.compare_digest(token, key)
         return ok
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body; None if the client disconnected; stops reading once past `limit` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        chunks.append(chunk)
+        if size > limit or not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _too_large(limit: int) -> APIError:

@@ -43,6 +43,7 @@ class Settings:
     max_body_bytes: int = 1_000_000
     max_concurrent_requests: int = 512
     request_timeout: float = 600.0
+    body_timeout: float = 30.0
     shutdown_grace: float = 30.0
     log_level: str = "info"
 
@@ -68,7 +69,7 @@ class Settings:
                 raise SettingsError(f"--{name.replace('_', '-')} must be >= 0")
         if not 0 <= self.max_logprobs <= 20:
             raise SettingsError("--max-logprobs must be between 0 and 20")
-        for name in ("kv_cache_gb", "request_timeout"):
+        for name in ("kv_cache_gb", "request_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"--{name.replace('_', '-')} must be > 0")
         if self.shutdown_grace < 0:
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--request-timeout", type=float, default=d.request_timeout, help="seconds per request"
     )
+    p.add_argument(
+        "--body-timeout", type=float, default=d.body_timeout,
+        help="seconds for a client to send its whole request body (408 after)",
+    )  # fmt: skip
     p.add_argument(
         "--shutdown-grace", type=float, default=d.shutdown_grace, help="seconds to drain on SIGTERM"
     )

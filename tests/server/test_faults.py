@@ -247,7 +247,8 @@ def test_hung_client_does_not_block_others(server: LiveServer, headers: dict, mo
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny_checkpoint: Path) -> Iterator[LiveServer]:
-    with slow_server(Settings(model=str(tiny_checkpoint), request_timeout=1.0)) as live:
+    settings = Settings(model=str(tiny_checkpoint), request_timeout=1.0, body_timeout=1.0)
+    with slow_server(settings) as live:
         yield live
 
 
@@ -276,6 +277,32 @@ def test_non_streaming_request_past_the_timeout_is_504(timeout_server: LiveServe
     err = r.json()["error"]
     assert err["code"] == "timeout" and err["type"] == "server_error"
     assert timeout_server.wait_blocks_free()
+    quick = httpx.post(
+        f"{timeout_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
+    )
+    assert quick.status_code == 200
+
+
+def test_a_body_that_stops_arriving_gets_408_and_frees_its_slot(timeout_server: LiveServer) -> None:
+    sock = open_hung_client(timeout_server.port, "never-sends-body")
+    try:
+        sock.settimeout(10)
+        t0 = time.monotonic()
+        reply = b""
+        while b"}}" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    err = json.loads(payload)["error"]
+    assert err["code"] == "body_timeout" and err["type"] == "invalid_request_error"
+    assert "1 seconds" in err["message"]
+    assert 0.9 <= elapsed < 8
     quick = httpx.post(
         f"{timeout_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
     )
