@@ -136,21 +136,31 @@ def run_sides(sides: dict[str, tuple[str, bool]], args: argparse.Namespace, dtyp
                 target=side_worker, args=(kind, tuned, args, dtype_name, child), daemon=True
             )
             procs[name].start()
+            child.close()  # the worker holds the only child end: its exit is an EOF here
             conns[name] = parent
-            infos[name], threads = parent.recv()  # built and warmed up, one side at a time
+            infos[name], threads = receive(parent, name)  # built and warmed up, one at a time
         times: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name in sides:
                 conns[name].send(True)
-                times[name].append(conns[name].recv())
+                times[name].append(receive(conns[name], name))
         for conn in conns.values():
             conn.send(False)
     finally:
+        for conn in conns.values():
+            conn.close()
         for proc in procs.values():
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
     return times, infos, threads
+
+
+def receive(conn, name: str):
+    try:
+        return conn.recv()
+    except EOFError:
+        raise SystemExit(f"error: the {name!r} process died (see its traceback above)") from None
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ def _matches(
 ) -> bool:
     return (
         plan is not None
+        and not any(t.is_inference() for t in inputs)  # these have no version counter
         and all(a is b for a, b in zip(plan.inputs, inputs))
         and plan.versions == tuple(t._version for t in inputs)
         and plan.block_size == block_size
@@ -94,7 +95,7 @@ def _make_plan(
     allowed = (kpos[None, None, :] <= qpos[:, :, None]) & key_valid[:, None, :]  # (B, Lq, Lk)
 
     per_seq = 2 * n_keys * n_head * head_dim * kv_bytes
-    size = max(1, GROUP_BYTES // per_seq)
+    size = max(1, GROUP_BYTES // per_seq) if device.type == "cpu" else batch  # caches are CPU's
     groups = []
     for first in range(0, batch, size):
         last = min(first + size, batch)
@@ -112,7 +113,7 @@ def _make_plan(
         )
     return _Plan(
         inputs=inputs,
-        versions=tuple(t._version for t in inputs),
+        versions=tuple(-1 if t.is_inference() else t._version for t in inputs),
         block_size=block_size,
         n_tokens=n_tokens,
         head_shape=(n_head, head_dim),

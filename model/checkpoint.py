@@ -39,6 +39,11 @@ def save_checkpoint(
     model: GPT, path: str | Path, extra_files: dict[str, str] | None = None
 ) -> None:
     """Write config.json and model.safetensors into directory `path`, each atomically."""
+    if model.is_packed_for_inference:
+        raise CheckpointError(
+            "this model was packed for CPU inference (an Engine was built on it); save the model "
+            "as loaded or trained instead"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {

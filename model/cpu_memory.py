@@ -6,6 +6,9 @@ multi-megabyte temporaries (gathered K/V, logits) are zero-filled page by page a
 concurrent sequences that was 40 % of a decode step on the development box (bench/decode.py).
 Raising the mmap and trim thresholds keeps those pages in the heap for reuse. The cost is that the
 process's resident size stays at its high-water mark instead of shrinking after a peak.
+
+In a thread other than the main one glibc serves blocks from per-thread heaps of at most 64 MiB,
+so there the setting covers blocks below that size (a decode step's temporaries are).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
-_THRESHOLD = 1 << 30  # blocks up to 1 GiB come from (and return to) the heap
+_THRESHOLDS = (1 << 30, 32 << 20)  # blocks up to 1 GiB stay in the heap; older glibc caps at 32 MiB
 
 _done = False
 
@@ -34,6 +37,8 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = mallopt(_M_MMAP_THRESHOLD, _THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _THRESHOLD) == 1
-    _done = ok
-    return ok
+    for threshold in _THRESHOLDS:
+        if mallopt(_M_MMAP_THRESHOLD, threshold) == 1:
+            _done = mallopt(_M_TRIM_THRESHOLD, threshold) == 1
+            return _done
+    return False

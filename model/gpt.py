@@ -204,6 +204,10 @@ class GPT(nn.Module):
         index = batch.last_token_index if logits_index is None else logits_index
         return self._head(x[index])  # (M, V)
 
+    @property
+    def is_packed_for_inference(self) -> bool:
+        return isinstance(self.lm_head, PackedLinear)
+
     @torch.no_grad()
     def pack_for_cpu_inference(self, threads: int | None = None) -> None:
         """Swap every Linear for a `PackedLinear` (same function) so decode uses all CPU threads.
@@ -211,7 +215,7 @@ class GPT(nn.Module):
         For inference only: the packed weights take no gradients and the parameter names change.
         A tied embedding then reads its rows from the packed head, so the table is stored once.
         """
-        if isinstance(self.lm_head, PackedLinear):
+        if self.is_packed_for_inference:
             return  # already packed (several engines may share one model)
         tied = self.lm_head.weight is self.transformer.wte.weight
         pack_linears(self, threads or torch.get_num_threads())

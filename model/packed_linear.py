@@ -74,14 +74,15 @@ class PackedEmbedding(nn.Module):
         return self.source.rows(index)
 
 
-SLAB_BYTES = 32 << 20  # a larger matrix (the vocabulary head) gets more slabs than threads
+SLAB_BYTES = 16 << 20  # a matrix over threads x this (the vocabulary head) gets more slabs
 
 
 def slab_count(linear: nn.Linear, threads: int) -> int:
     """Slabs for one matrix: one per thread, times enough that no slab exceeds SLAB_BYTES.
 
-    Measured on 2 threads: the 12 layers' matrices are fastest in 2 slabs; the 154 MB GPT-2 head
-    in 8-12 (10-15 % faster than 2 when 32 rows are multiplied).
+    Measured on 2 threads: the 12 layers' matrices (up to 9.4 MB) are fastest in 2 slabs; the
+    154 MB GPT-2 head in 10-12 (10-15 % faster than 2 or 6 when 32 rows are multiplied); this
+    gives it 10.
     """
     weight = linear.weight
     size = weight.numel() * weight.element_size()

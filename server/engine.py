@@ -54,6 +54,13 @@ class _Request:
 
 
 class Engine:
+    """Continuous batching over one model and its paged KV cache; `step()` runs one batch.
+
+    On a CPU the Engine packs the model's weights for inference in place
+    (`GPT.pack_for_cpu_inference`): the model keeps computing the same function, but its
+    parameter layout changes and it can no longer be trained or saved.
+    """
+
     def __init__(
         self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None
     ) -> None:

@@ -60,7 +60,7 @@ def load_model_in_thread(settings: Settings) -> LoadedModel:
         except BaseException as exc:
             error.append(exc)
 
-    thread = threading.Thread(target=target, name="model-loader")
+    thread = threading.Thread(target=target, name="model-loader", daemon=True)  # Ctrl-C exits
     thread.start()
     thread.join()
     if error:
@@ -104,6 +104,7 @@ class ServerState:
         self.aeng: AsyncEngine | None = None
         self.load_error: str | None = None
         self.closed = False
+        self._lock = threading.Lock()  # closed vs. a start() finishing in another thread
 
     def start(self, loaded: LoadedModel) -> None:
         """Build the engine around a loaded model and start its thread."""
@@ -125,7 +126,11 @@ class ServerState:
             kv_usage=lambda: engine.kv_usage,
             failed_steps=lambda: engine.num_failed_steps,
         )
-        self.loaded, self.engine, self.aeng = loaded, engine, aeng
+        with self._lock:
+            if self.closed:  # shut down while the engine was being built
+                aeng.stop()
+                return
+            self.loaded, self.engine, self.aeng = loaded, engine, aeng
         log.info(
             "serving %s from %s on %s (%d KV blocks of %d tokens)",
             loaded.name, loaded.path, engine.device, engine.cache.num_blocks, config.block_size,
@@ -140,9 +145,11 @@ class ServerState:
             log.error("model failed to load: %s", self.load_error)
 
     def stop(self) -> None:
-        self.closed = True
-        if self.aeng is not None:
-            self.aeng.stop()
+        with self._lock:
+            self.closed = True
+            aeng = self.aeng
+        if aeng is not None:
+            aeng.stop()
 
     @property
     def ready(self) -> bool:

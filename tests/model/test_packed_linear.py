@@ -67,3 +67,28 @@ def test_slab_count_is_one_per_thread_until_a_slab_would_exceed_the_cap():
     rows = SLAB_BYTES // (4 * 64)  # one cap's worth of fp32 (out, 64) rows
     big = nn.Linear(64, 5 * rows, bias=False)
     assert slab_count(big, 2) == 6  # 5 caps over 2 threads -> 3 slabs per thread
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_packed_gpt_in_half_precision_matches_the_unpacked_one(dtype):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101)
+    model = GPT(cfg).to(dtype).eval()
+    idx = torch.randint(0, 101, (1, 7))
+    with torch.no_grad():
+        before = model(idx).float()
+        model.pack_for_cpu_inference(threads=2)
+        after = model(idx).float()
+    torch.testing.assert_close(after, before, rtol=2e-2, atol=2e-2)
+
+
+def test_a_packed_model_refuses_to_be_saved(tmp_path):
+    from model import save_checkpoint
+    from model.checkpoint import CheckpointError
+
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
+    save_checkpoint(model, tmp_path / "plain")  # fine before packing
+    model.pack_for_cpu_inference(threads=2)
+    with pytest.raises(CheckpointError, match="packed for CPU inference"):
+        save_checkpoint(model, tmp_path / "packed")
+    assert not (tmp_path / "packed" / "model.safetensors").exists()

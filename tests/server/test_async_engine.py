@@ -64,3 +64,35 @@ def test_load_model_in_thread_returns_the_model_or_raises_the_load_error(
     assert loaded.model.config.n_layer == 2
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model_in_thread(Settings(model=str(tmp_path / "missing")))
+
+
+def test_stop_while_the_engine_is_being_built_leaves_no_engine_running(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import time
+
+    import server.state as state_module
+    from server.metrics import Metrics
+    from server.state import ServerState
+
+    building = threading.Event()
+
+    def slow_engine(*args, **kwargs) -> Engine:
+        building.set()
+        time.sleep(0.5)
+        return Engine(*args, **kwargs)
+
+    def engine_threads() -> set[threading.Thread]:  # other tests' servers may have their own
+        return {t for t in threading.enumerate() if t.name == "engine" and t.is_alive()}
+
+    before = engine_threads()
+    monkeypatch.setattr(state_module, "Engine", slow_engine)
+    state = ServerState(Settings(model=str(tiny_checkpoint), max_num_seqs=2), Metrics())
+    loaded = load_model_in_thread(state.settings)
+    starter = threading.Thread(target=state.start, args=(loaded,))
+    starter.start()
+    assert building.wait(10)
+    state.stop()  # the engine is half built: nothing to stop yet
+    starter.join(10)
+    assert state.aeng is None and not state.ready
+    assert engine_threads() <= before
