@@ -19,6 +19,7 @@ COPY pyproject.toml README.md train.py ./
 COPY model ./model
 COPY kernels ./kernels
 COPY server ./server
+COPY training ./training
 RUN pip install . && rm -rf /app/build
 
 USER gptserve

@@ -2,7 +2,7 @@
 
 Run with `torchrun --nproc_per_node 2 tests/train/ddp_worker.py OUT.pt`. Every rank builds the
 same model (same seed) and the same *global* batches (same generator); rank r trains on rows
-[r * b, (r + 1) * b) of each micro-batch through train.train_step with DDP. Rank 0 saves the
+[r * b, (r + 1) * b) of each micro-batch through training.step.train_step with DDP. Rank 0 saves the
 weights and losses to OUT.pt; the test compares them with one process stepping on the full
 global batches, which must give the same update (DDP averages the ranks' mean gradients).
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, ModelConfig
-from train import LossModule, make_optimizer, train_step
+from training.step import LossModule, make_optimizer, train_step
 
 CONFIG = ModelConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32)
 OPT = argparse.Namespace(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95)

@@ -21,7 +21,12 @@ import torch
 from safetensors.torch import load_file
 
 import train
+import training.data
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
+from training.args import resolve_args
+from training.data import find_text_files, tokenize_cached
+from training.state import BEST_DIR, STATE_FILE
+from training.step import LossModule, lr_at, make_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32",
@@ -77,7 +82,7 @@ def test_loss_falls_on_shakespeare(trained: Path) -> None:
 
 
 def test_output_loads_generates_and_matches_training_state(trained: Path) -> None:
-    state = torch.load(trained / train.STATE_FILE, weights_only=True)
+    state = torch.load(trained / STATE_FILE, weights_only=True)
     assert state["step"] == 40
     served = load_file(str(trained / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in served.values())  # --save-dtype bfloat16
@@ -85,7 +90,7 @@ def test_output_loads_generates_and_matches_training_state(trained: Path) -> Non
     torch.testing.assert_close(served["transformer.wte.weight"].float(),
                                state["model"]["transformer.wte.weight"], rtol=1e-2, atol=1e-3)
     tok = get_tokenizer("gpt2")
-    for path in (trained, trained / train.BEST_DIR):
+    for path in (trained, trained / BEST_DIR):
         model = load_checkpoint(path, dtype=torch.float32)
         idx = torch.tensor([tok.encode("ROMEO:")])
         for _ in range(5):  # greedy
@@ -108,12 +113,12 @@ def test_sigkill_then_resume_gives_the_same_loss_curve(data_slice: Path, cache_d
     ref = _popen([*args, "--out", str(full)], tmp_path / "full.log")
     victim = _popen([*args, "--out", str(killed)], tmp_path / "killed.log")
     deadline = time.monotonic() + 120
-    while not (killed / train.STATE_FILE).exists():
+    while not (killed / STATE_FILE).exists():
         assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.02)
     os.kill(victim.pid, signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
-    killed_at = torch.load(killed / train.STATE_FILE, weights_only=True)["step"]
+    killed_at = torch.load(killed / STATE_FILE, weights_only=True)["step"]
     assert killed_at < 30
     resumed = subprocess.run([sys.executable, str(REPO / "train.py"), "--out", str(killed),
                               "--resume"], cwd=REPO, capture_output=True, text=True)
@@ -161,7 +166,7 @@ def test_two_process_ddp_matches_one_process_on_the_global_batch(tmp_path: Path)
     result = torch.load(out, weights_only=True)
     model = ddp_worker.fresh_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    single = ddp_worker.run(train.LossModule(model), model, rank=0, world=1)
+    single = ddp_worker.run(LossModule(model), model, rank=0, world=1)
     assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
     assert result["norms"] == pytest.approx(single["norms"], rel=1e-5)
     for key, grad in single["grads"].items():
@@ -187,7 +192,7 @@ def test_torchrun_end_to_end_rank0_writes(data_slice: Path, cache_dir: Path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]  # one writer
-    state = torch.load(tmp_path / train.STATE_FILE, weights_only=True)
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     assert len(state["ranks"]) == 2 and state["step"] == 4
     assert state["ranks"][0]["sampler"] != state["ranks"][1]["sampler"]  # own batches per rank
     load_checkpoint(tmp_path)
@@ -200,9 +205,9 @@ def test_tokenize_cache_is_reused_and_keyed_on_content(tmp_path: Path,
     (folder / "a.txt").write_text("Hello there.\nGeneral Kenobi!\n")
     (folder / "b.txt").write_text("Second document.\n")
     (folder / "skip.md").write_text("not text data")
-    files = train.find_text_files(folder)
+    files = find_text_files(folder)
     assert [f.name for f in files] == ["a.txt", "b.txt"]
-    path = train.tokenize_cached(files, tmp_path / "cache", progress=False)
+    path = tokenize_cached(files, tmp_path / "cache", progress=False)
     tok = get_tokenizer("gpt2")
     expected = tok.encode("Hello there.\nGeneral Kenobi!\n") + [tok.eot_token] + tok.encode(
         "Second document.\n")
@@ -211,24 +216,24 @@ def test_tokenize_cache_is_reused_and_keyed_on_content(tmp_path: Path,
     def boom(name: str) -> None:
         raise AssertionError("re-tokenized unchanged data")
 
-    monkeypatch.setattr(train, "get_tokenizer", boom)
-    assert train.tokenize_cached(files, tmp_path / "cache", progress=False) == path
+    monkeypatch.setattr(training.data, "get_tokenizer", boom)
+    assert tokenize_cached(files, tmp_path / "cache", progress=False) == path
     monkeypatch.undo()
     (folder / "b.txt").write_text("Changed document, other size.\n")
-    assert train.tokenize_cached(files, tmp_path / "cache", progress=False) != path
+    assert tokenize_cached(files, tmp_path / "cache", progress=False) != path
 
 
 def test_lr_schedule_and_weight_decay_groups() -> None:
-    a = train.resolve_args(["--data", "x", "--out", "y", "--lr", "1e-3", "--min-lr", "1e-4",
+    a = resolve_args(["--data", "x", "--out", "y", "--lr", "1e-3", "--min-lr", "1e-4",
                             "--warmup-steps", "10", "--max-steps", "110"])
-    assert train.lr_at(0, a) == pytest.approx(1e-4)
-    assert train.lr_at(9, a) == pytest.approx(1e-3)
-    assert train.lr_at(60, a) == pytest.approx(5.5e-4)
-    assert train.lr_at(110, a) == pytest.approx(1e-4)
-    lrs = [train.lr_at(s, a) for s in range(10, 111)]
+    assert lr_at(0, a) == pytest.approx(1e-4)
+    assert lr_at(9, a) == pytest.approx(1e-3)
+    assert lr_at(60, a) == pytest.approx(5.5e-4)
+    assert lr_at(110, a) == pytest.approx(1e-4)
+    lrs = [lr_at(s, a) for s in range(10, 111)]
     assert all(x >= y for x, y in zip(lrs, lrs[1:]))
     model = GPT(ModelConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    opt = train.make_optimizer(model, a, "cpu")
+    opt = make_optimizer(model, a, "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"])
@@ -266,7 +271,7 @@ def test_init_from_hugging_face_gpt2_then_resume(tmp_path: Path, data_slice: Pat
             "--batch-size", "4", "--eval-interval", "2", "--eval-iters", "2",
             "--sample-tokens", "0", "--log-interval", "1"]
     assert run_main([*base, "--init-from", str(tmp_path / "hf"), "--max-steps", "2"], capsys) == 0
-    state = torch.load(out / train.STATE_FILE, weights_only=True)
+    state = torch.load(out / STATE_FILE, weights_only=True)
     assert state["args"]["n_embd"] == 64 and state["args"]["block_size"] == 32
     # Resuming needs neither the HF directory nor the architecture flags.
     (tmp_path / "hf" / "model.safetensors").unlink()

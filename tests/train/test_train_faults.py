@@ -22,6 +22,7 @@ import torch
 
 import train
 from model import load_checkpoint
+from training.state import BEST_DIR, STATE_FILE
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -76,10 +77,10 @@ def baseline(shakespeare_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def assert_intact(out: Path, steps: set[int]) -> int:
     """The served checkpoint loads and the training state reads; returns the state's step."""
-    for directory in (out, out / train.BEST_DIR):
+    for directory in (out, out / BEST_DIR):
         model = load_checkpoint(directory)
         assert all(torch.isfinite(p).all() for p in model.parameters())
-    state = torch.load(out / train.STATE_FILE, map_location="cpu", weights_only=True)
+    state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     assert state["step"] in steps
     return state["step"]
 
@@ -151,9 +152,9 @@ def test_random_sigkills_during_a_checkpointing_run(baseline: Path, tmp_path: Pa
             "400",
         ]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        before = (out / train.STATE_FILE).stat().st_mtime_ns
+        before = (out / STATE_FILE).stat().st_mtime_ns
         deadline = time.monotonic() + 120
-        while (out / train.STATE_FILE).stat().st_mtime_ns == before:  # checkpoints are flowing
+        while (out / STATE_FILE).stat().st_mtime_ns == before:  # checkpoints are flowing
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere in the middle of later writes

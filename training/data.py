@@ -1,0 +1,146 @@
+"""Training data: text files tokenized once into a cached uint16 token file, the train/validation
+split, and a seeded, restorable sampler of (B, T) windows."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from model import get_tokenizer
+from training.errors import TrainError
+from training.setup import Dist
+
+
+def find_text_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise TrainError(f"data path {path} does not exist")
+    files = sorted(p for p in path.rglob("*.txt") if p.is_file()) if path.is_dir() else [path]
+    if not files:
+        raise TrainError(f"data folder {path} has no .txt files")
+    if all(f.stat().st_size == 0 for f in files):
+        raise TrainError(f"data path {path} is empty")
+    return files
+
+def tokenize_cached(files: list[Path], cache_dir: Path, tokenizer: str = "gpt2",
+                    progress: bool = True) -> Path:
+    """Encode files once into a uint16 token file (documents separated by <|endoftext|>).
+
+    The file name carries a hash of the tokenizer name and each file's path, size and mtime,
+    so an unchanged dataset is never encoded twice.
+    """
+    h = hashlib.sha256(tokenizer.encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    target = cache_dir / f"tokens-{tokenizer}-{h.hexdigest()[:16]}.bin"
+    if target.is_file():
+        return target
+    tok = get_tokenizer(tokenizer)
+    if tok.vocab_size > 2**16:
+        raise TrainError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens; uint16 holds 65536")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    total = sum(f.stat().st_size for f in files)
+    try:
+        with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
+                                           desc="tokenizing", disable=not progress) as bar:
+            for i, f in enumerate(files):
+                if i > 0:
+                    out.write(np.array([tok.eot_token], dtype=np.uint16).tobytes())
+                for texts in _text_chunks(f):
+                    ids = tok.encode_batch(texts)  # tiktoken encodes a batch on several threads
+                    out.write(np.concatenate([np.asarray(x, dtype=np.uint16) for x in ids])
+                              .tobytes())
+                    bar.update(sum(len(t.encode("utf-8")) for t in texts))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+def _text_chunks(path: Path, piece_chars: int = 1 << 16, batch: int = 16):
+    """Yield lists of ~64k-character pieces cut at line ends (BPE never merges across them)."""
+    texts: list[str] = []
+    piece: list[str] = []
+    size = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                piece.append(line)
+                size += len(line)
+                if size >= piece_chars:
+                    texts.append("".join(piece))
+                    piece, size = [], 0
+                    if len(texts) == batch:
+                        yield texts
+                        texts = []
+    except UnicodeDecodeError as exc:
+        raise TrainError(f"data file {path} is not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from None
+    if piece:
+        texts.append("".join(piece))
+    if texts:
+        yield texts
+
+def split_tokens(tokens: np.ndarray, block_size: int, val_fraction: float
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The last val_fraction of the tokens is the validation split; both must hold a block + 1."""
+    n = len(tokens)
+    n_val = int(n * val_fraction)
+    train, val = tokens[: n - n_val], (tokens[n - n_val:] if val_fraction > 0 else None)
+    if len(train) < block_size + 1 or (val is not None and len(val) < block_size + 1):
+        need = math.ceil((block_size + 1) / min(1 - val_fraction, val_fraction or 1.0))
+        raise TrainError(
+            f"data has {n} tokens, too few for --block-size {block_size} with --val-fraction "
+            f"{val_fraction} (need at least {need}); use more data or a smaller --block-size"
+        )
+    return train, val
+
+class BatchSampler:
+    """Random (B, T) windows from a token array, from its own seeded RNG (restorable)."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int,
+                 seed: list[int]) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.rng = np.random.default_rng(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.block_size
+        starts = self.rng.integers(0, len(self.tokens) - T, size=self.batch_size)
+        window = np.stack([self.tokens[s: s + T + 1] for s in starts]).astype(np.int64)
+        window = torch.from_numpy(window)  # (B, T + 1)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.rng.bit_generator.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state
+
+def prepare_data(a: argparse.Namespace, info: Dist, out: Path) -> np.ndarray:
+    """Tokenize on rank 0 (others wait), then memory-map the token file on every rank."""
+    files = find_text_files(Path(a.data))
+    cache = Path(a.cache_dir) if a.cache_dir else out / "cache"
+    result: list[Any] = [None]
+    if info.master:
+        try:
+            result = [str(tokenize_cached(files, cache))]
+        except TrainError as exc:
+            result = [exc]
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], Exception):
+        raise TrainError(str(result[0]))
+    return np.memmap(result[0], dtype=np.uint16, mode="r")
