@@ -1,13 +1,8 @@
 #!/usr/bin/env python
-"""Train a GPT on UTF-8 text; the output directory is directly servable (`python -m server --model DIR`).
+"""`python train.py ...`: train a GPT on text into a directory the server serves as is.
 
-    python train.py --data shakespeare.txt --out runs/shakespeare --max-steps 2000
-    python train.py --out runs/shakespeare --resume            # continue a killed run
-    torchrun --nproc_per_node 2 train.py --data ... --out ...  # DistributedDataParallel
-
-Writes into DIR: config.json + model.safetensors (last), best/ (lowest validation loss),
-train_state.pt (everything --resume needs, full fp32 weights included), metrics.jsonl, loss.png
-and cache/ (the tokenized data). See docs/TRAINING.md.
+The command line over the `training` package; `python train.py --help` (text in training/args.py)
+and docs/TRAINING.md describe the flags and what is written.
 """
 
 from __future__ import annotations
