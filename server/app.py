@@ -106,9 +106,8 @@ class Gate:
                 await _too_large(limit).response()(scope, receive, send)
                 return
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
-                body = await _read_body(receive, limit)
-        except TimeoutError:  # a client that stalls mid-body must not hold a slot for ever
+            body = await asyncio.wait_for(_read_body(receive, limit), self.settings.body_timeout)
+        except asyncio.TimeoutError:  # a client that stalls mid-body must not hold a slot for ever
             seconds = f"{self.settings.body_timeout:g}"
             err = APIError(
                 408,
