@@ -120,17 +120,19 @@ class ServerState:
         aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config))
         aeng.on_step = self.metrics.on_step
         engine = aeng.start()  # built in the engine thread (see server.async_engine)
+        with self._lock:
+            closed = self.closed  # shut down while the engine was being built?
+            if not closed:
+                self.loaded, self.engine, self.aeng = loaded, engine, aeng
+        if closed:
+            aeng.stop()
+            return
         self.metrics.watch_engine(
             running=lambda: engine.num_running,
             waiting=lambda: aeng.num_waiting,
             kv_usage=lambda: engine.kv_usage,
             failed_steps=lambda: engine.num_failed_steps,
         )
-        with self._lock:
-            if self.closed:  # shut down while the engine was being built
-                aeng.stop()
-                return
-            self.loaded, self.engine, self.aeng = loaded, engine, aeng
         log.info(
             "serving %s from %s on %s (%d KV blocks of %d tokens)",
             loaded.name, loaded.path, engine.device, engine.cache.num_blocks, config.block_size,

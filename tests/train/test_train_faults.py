@@ -85,31 +85,18 @@ def assert_intact(out: Path, steps: set[int]) -> int:
     return state["step"]
 
 
+def resume_args(out: Path, max_steps: int) -> list[str]:
+    return ["--out", str(out), "--resume", "--max-steps", str(max_steps)]
+
+
 def run_killed(out: Path, kill_at: int, mode: str, max_steps: int) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(HERE / "kill_during_write.py"),
-        str(kill_at),
-        mode,
-        "--out",
-        str(out),
-        "--resume",
-        "--max-steps",
-        str(max_steps),
-    ]
+    script = str(HERE / "kill_during_write.py")
+    cmd = [sys.executable, script, str(kill_at), mode, *resume_args(out, max_steps)]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def resume(out: Path, max_steps: int) -> None:
-    cmd = [
-        sys.executable,
-        str(REPO / "train.py"),
-        "--out",
-        str(out),
-        "--resume",
-        "--max-steps",
-        str(max_steps),
-    ]
+    cmd = [sys.executable, str(REPO / "train.py"), *resume_args(out, max_steps)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert assert_intact(out, {max_steps}) == max_steps
@@ -142,15 +129,7 @@ def test_random_sigkills_during_a_checkpointing_run(baseline: Path, tmp_path: Pa
     rng = random.Random(0)
     steps = {2}
     for _ in range(3):
-        cmd = [
-            sys.executable,
-            str(REPO / "train.py"),
-            "--out",
-            str(out),
-            "--resume",
-            "--max-steps",
-            "400",
-        ]
+        cmd = [sys.executable, str(REPO / "train.py"), *resume_args(out, 400)]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before = (out / STATE_FILE).stat().st_mtime_ns
         deadline = time.monotonic() + 120
