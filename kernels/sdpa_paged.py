@@ -6,8 +6,8 @@ unused pool slots never reaches the output; every query sees at least key 0, so 
 masked.
 
 Sequences are handled in groups whose gathered keys and values fit in a few MiB, so SDPA reads the
-copy from cache rather than memory: with 32 sequences of ~170 tokens (GPT-2 124M, 12 layers) one
-step's attention took 33 ms in groups of 4 against 69 ms for all 32 at once on the development box.
+copy from cache rather than memory: about 2x faster than all sequences at once for 32 sequences
+(`python bench/cpu_parts.py`).
 
 Everything that depends only on the batch layout (which blocks to copy, the masks, the stale slots)
 is a `_Plan`, built once per model step and reused by every layer: the layers of one step pass the

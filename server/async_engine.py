@@ -6,8 +6,8 @@ applied between steps, so an abort frees its blocks before the next step runs.
 The engine thread also builds the Engine, so that on a CPU one thread does all of the model's
 parallel work. PyTorch's OpenMP thread pool belongs to the thread that runs parallel work; a
 second pool (say the main thread's, from building the Engine there) means more OpenMP threads than
-cores, and then libgomp puts its workers to sleep between parallel regions instead of spinning:
-decoding through the server was 20 % slower than the same Engine offline on the 2-core box.
+cores, and then libgomp puts its workers to sleep between parallel regions instead of spinning.
+Building the Engine here took `python bench/serve.py`'s server/offline ratio from 0.85 to 0.98.
 """
 
 from __future__ import annotations
