@@ -3,12 +3,17 @@
     python bench/cpu_parts.py
 
 1. The 48 layer matrices (12 layers, all distinct so nothing stays in cache) and the vocabulary
-   head, multiplied by 1, 8 and 32 rows: `nn.Linear` against `PackedLinear` as the Engine packs
-   them (model.packed_linear).
-2. Paged attention for 32 sequences of 150-192 tokens over 12 layers: all sequences in one group
-   against groups that fit in cache (kernels.sdpa_paged.GROUP_BYTES).
+   head, multiplied by 1, 8 and 32 rows: `nn.Linear` against weights in per-thread slabs
+   (`PackedLinear`), and slabs against what the Engine uses now (`pack_linear`: oneDNN's layout;
+   `pack_head`: slabs for one row, oneDNN for more).
+2. Decode attention for 1 and 32 sequences of 150-192 tokens over 12 layers: each sequence's
+   keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`), and
+   those groups against head-major pools read in place (`kernels.paged_decode_cpu`).
 3. A decode step of the Engine with 32 sequences, in two fresh processes: glibc's default
    allocator against the tuned one (model.cpu_memory).
+
+The two sides of a row run in alternation and each keeps its best, so the machine's slow spells
+(memory bandwidth here drifts by 20 %) fall on both.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,70 +30,94 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
-from model.packed_linear import pack_linears  # noqa: E402
+from model.cache import KVCache  # noqa: E402
+from model.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
+Row = tuple[str, str, float, float]  # (part, what it replaced, before ms, after ms)
 
 
-def best_ms(fn, repeat: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * min(times)
+def alternate(before: Callable[[], object], after: Callable[[], object], rounds: int = 7):
+    """Best milliseconds of each side, the two run turn about."""
+    before(), after()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for fn, out in zip((before, after), times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(1000 * (time.perf_counter() - t0))
+    return min(times[0]), min(times[1])
 
 
-def apply_all(modules: list[nn.Module], xs: dict[int, torch.Tensor]):
-    """A callable that multiplies each module by the input of its width."""
-    return lambda: [m(xs[m.in_features]) for m in modules]
+def apply_all(modules: list[nn.Module], plain: list[nn.Linear], xs: dict[int, torch.Tensor]):
+    """A callable that multiplies each module by the input of its `nn.Linear`'s width."""
+    return lambda: [m(xs[p.in_features]) for m, p in zip(modules, plain)]
 
 
 @torch.no_grad()
-def linear_rows() -> list[tuple[str, float, float]]:
+def linear_rows() -> list[Row]:
     torch.manual_seed(0)
-    layers = nn.ModuleList(nn.Linear(i, o) for _ in range(12) for i, o in LAYER_SHAPES)
-    head = nn.ModuleList([nn.Linear(768, 50257, bias=False)])
-    plain = {"48 layer matrices": list(layers), "vocabulary head": list(head)}
-    pack_linears(layers, torch.get_num_threads())
-    pack_linears(head, torch.get_num_threads())
-    packed = {"48 layer matrices": layers, "vocabulary head": head}
+    threads = torch.get_num_threads()
+    layers = [nn.Linear(i, o) for _ in range(12) for i, o in LAYER_SHAPES]
+    head = nn.Linear(768, 50257, bias=False)
+    forms = {
+        "48 layer matrices": (
+            layers,
+            [PackedLinear(m, slab_count(m, threads)) for m in layers],
+            [pack_linear(m, threads) for m in layers],
+        ),
+        "vocabulary head": (
+            [head],
+            [PackedLinear(head, slab_count(head, threads), column_major=True)],
+            [pack_head(head, threads)[0]],
+        ),
+    }
     rows = []
-    for name in plain:
+    for name, (plain, slabs, engine) in forms.items():
         for n in (1, 8, 32):
             xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
-            before = best_ms(apply_all(plain[name], xs))
-            after = best_ms(apply_all(list(packed[name]), xs))
-            rows.append((f"{name}, {n} rows", before, after))
+            before, slabbed, now = (apply_all(f, plain, xs) for f in (plain, slabs, engine))
+            rows.append((f"{name}, {n} rows", "nn.Linear -> slabs", *alternate(before, slabbed)))
+            rows.append((f"{name}, {n} rows", "slabs -> engine's", *alternate(slabbed, now)))
     return rows
 
 
-def attention_row() -> tuple[str, float, float]:
+def attention_rows(batch: int) -> list[Row]:
     torch.manual_seed(0)
-    batch, heads, dim, block, blocks_per_seq, layers = 32, 12, 64, 16, 12, 12
-    pools = [(torch.randn(800, block, heads, dim), torch.randn(800, block, heads, dim))
-             for _ in range(layers)]  # fmt: skip
-    tables = torch.randperm(800)[: batch * blocks_per_seq].view(batch, -1).int()
-    ctx = torch.randint(150, 193, (batch,)).int()
-    starts = torch.arange(batch + 1).int()
-    q = torch.randn(batch, heads, dim)
+    cache = KVCache(12, 12, 64, num_blocks=batch * 12 + 8, block_size=16)
+    cache.k.normal_(), cache.v.normal_()
+    lens = torch.randint(150, 193, (batch,)).tolist()
+    cache.prepare([(i, n - 1) for i, n in enumerate(lens)])
+    step = cache.prepare([(i, 1) for i in range(batch)])  # a decode step
+    args = (step.block_tables, step.context_lens, step.query_start)
+    q = torch.randn(batch, 12, 64)
+    token_major = [(cache.k[i].contiguous(), cache.v[i].contiguous()) for i in range(12)]
+    default_group = sdpa_paged.GROUP_BYTES
 
-    def step() -> None:
-        for k, v in pools:
-            sdpa_paged.paged_attention_sdpa(q, k, v, tables, ctx, starts)
+    def gather(one_group: bool) -> None:  # one step: the first layer builds the plan
+        sdpa_paged.GROUP_BYTES = 1 << 40 if one_group else default_group
+        sdpa_paged.plans.clear()
+        for k, v in token_major:
+            sdpa_paged.paged_attention_sdpa(q, k, v, *args)
 
-    grouped = best_ms(step)
-    default = sdpa_paged.GROUP_BYTES
-    sdpa_paged.GROUP_BYTES = 1 << 40  # every sequence in one group
+    def in_place() -> None:
+        paged_decode_cpu.plans.clear()
+        for i in range(12):
+            paged_decode_cpu.decode_attention_cpu(q, cache.k[i], cache.v[i], *args)
+
+    label = f"decode attention, {batch} seq x 12 layers"
+    rows = []
     try:
-        sdpa_paged._last_plan = None
-        one_group = best_ms(step)
+        if batch > 1:
+            times = alternate(lambda: gather(True), lambda: gather(False))
+            rows.append((label, "one group -> groups", *times))
+        rows.append((label, "groups -> in place", *alternate(lambda: gather(False), in_place)))
     finally:
-        sdpa_paged.GROUP_BYTES = default
-        sdpa_paged._last_plan = None
-    return ("paged attention, 32 seqs x 12 layers", one_group, grouped)
+        sdpa_paged.GROUP_BYTES = default_group
+        sdpa_paged.plans.clear()
+    return rows
 
 
 def decode_step_ms(retain: bool) -> float:
@@ -116,25 +146,25 @@ def decode_step_ms(retain: bool) -> float:
     return 1000 * statistics.median(times)
 
 
-def allocator_row() -> tuple[str, float, float]:
+def allocator_row() -> Row:
     def child(retain: bool) -> float:
         code = f"import bench.cpu_parts as b; print(b.decode_step_ms({retain}))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
         return float(out.stdout.strip().splitlines()[-1])
 
-    return ("engine decode step, 32 seqs (allocator)", child(False), child(True))
+    return ("engine decode step, 32 seqs", "glibc default -> tuned", child(False), child(True))
 
 
 def main() -> None:
-    rows = linear_rows() + [attention_row(), allocator_row()]
-    print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}; best of 5 "
-          "(the engine step: median of 15)\n")  # fmt: skip
-    print(f"{'':44s} {'before ms':>10s} {'after ms':>9s} {'speed-up':>9s}")
-    for name, before, after in rows:
-        print(f"{name:44s} {before:10.1f} {after:9.1f} {before / after:8.2f}x")
-    print("\nbefore: nn.Linear / one group / glibc defaults; after: PackedLinear / cache-sized "
-          "groups / model.cpu_memory")
+    rows = linear_rows() + attention_rows(1) + attention_rows(32) + [allocator_row()]
+    print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}; best of 7 rounds, "
+          "the two sides in turn (the engine step: median of 15, one process each)\n")  # fmt: skip
+    print(f"{'':40s} {'what it replaced':24s} {'before ms':>10s} {'after ms':>9s} {'speed-up':>9s}")
+    for name, change, before, after in rows:
+        print(f"{name:40s} {change:24s} {before:10.1f} {after:9.1f} {before / after:8.2f}x")
+    print("\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
+          "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,7 @@ def main() -> None:
     new = args.new_tokens
 
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
+    n_params = ours.num_params()  # before the Engine packs it (the CPU head is then kept twice)
     hf_prompt = torch.tensor([prompts[0]], device=dev)
     hf_s, hf_tokens = time_hf(hf, hf_prompt, new, dev)
     cfg = EngineConfig(max_num_seqs=32, block_size=16)
@@ -162,7 +163,7 @@ def main() -> None:
 
     hf_rate = new / hf_s
     print(
-        f"\ndecode: GPT-2 {ours.num_params() / 1e6:.0f}M random weights, {args.dtype}, {dev}, "
+        f"\ndecode: GPT-2 {n_params / 1e6:.0f}M random weights, {args.dtype}, {dev}, "
         f"{torch.get_num_threads()} threads, prompt {args.prompt_len}, {new} new tokens, greedy"
     )
     print(f"greedy tokens identical to transformers: {'yes' if same else 'NO'}")

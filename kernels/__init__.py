@@ -1,8 +1,9 @@
 """Attention kernels with one dispatch point.
 
 `flash_attention` (training, full causal forward) and `paged_attention` (inference over the paged
-KV cache) run as Triton kernels on CUDA and as PyTorch elsewhere (SDPA; for paged attention after
-a gather of each sequence's keys and values, `kernels.sdpa_paged`). `set_backend("triton")`
+KV cache) run as Triton kernels on CUDA and as PyTorch elsewhere: SDPA, and for paged attention
+`kernels.paged_decode_cpu` for decode steps over head-major pools (how `KVCache` stores them), else
+SDPA after a gather of each sequence's keys and values (`kernels.sdpa_paged`). `set_backend("triton")`
 forces the Triton kernels (on CPU that needs TRITON_INTERPRET=1 set before triton is imported);
 `set_backend("torch")` forces PyTorch.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.paged_decode_cpu import decode_attention_cpu
 from kernels.reference import attention_reference, paged_attention_reference
 from kernels.sdpa_paged import paged_attention_sdpa
 
@@ -79,6 +81,6 @@ def paged_attention(
         return triton_paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale=sm_scale
         )
-    return paged_attention_sdpa(
-        q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale=sm_scale
-    )
+    args = (q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale)
+    out = decode_attention_cpu(*args) if q.device.type == "cpu" else None
+    return paged_attention_sdpa(*args) if out is None else out

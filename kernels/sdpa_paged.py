@@ -10,8 +10,7 @@ copy from cache rather than memory: about 2x faster than all sequences at once f
 (`python bench/cpu_parts.py`).
 
 Everything that depends only on the batch layout (which blocks to copy, the masks, the stale slots)
-is a `_Plan`, built once per model step and reused by every layer: the layers of one step pass the
-very same block-table, length and offset tensors.
+is a `_Plan`, built once per model step and reused by every layer (`kernels.step_plan`).
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.step_plan import StepPlanCache
 
 GROUP_BYTES = 4 << 20  # gathered K + V of one group of sequences (fits in L2/L3 caches)
 
@@ -39,30 +40,11 @@ class _Group:
 
 @dataclass
 class _Plan:
-    inputs: tuple[torch.Tensor, ...]  # (block_tables, context_lens, query_start), kept alive
-    versions: tuple[int, ...]  # their in-place modification counters when the plan was built
-    block_size: int
-    n_tokens: int
-    head_shape: tuple[int, int]  # (H, D)
     keys_per_seq: int  # Lk: gathered slots per sequence
     groups: list[_Group]
 
 
-_last_plan: _Plan | None = None
-
-
-def _matches(
-    plan: _Plan | None, inputs: tuple[torch.Tensor, ...], q: torch.Tensor, block_size: int
-) -> bool:
-    return (
-        plan is not None
-        and not any(t.is_inference() for t in inputs)  # these have no version counter
-        and all(a is b for a, b in zip(plan.inputs, inputs))
-        and plan.versions == tuple(t._version for t in inputs)
-        and plan.block_size == block_size
-        and plan.n_tokens == q.shape[0]
-        and plan.head_shape == tuple(q.shape[1:])
-    )
+plans: StepPlanCache[_Plan] = StepPlanCache()
 
 
 def _make_plan(
@@ -111,15 +93,7 @@ def _make_plan(
                 out_rows=None if out_rows is None else out_rows[first:last],
             )
         )
-    return _Plan(
-        inputs=inputs,
-        versions=tuple(-1 if t.is_inference() else t._version for t in inputs),
-        block_size=block_size,
-        n_tokens=n_tokens,
-        head_shape=(n_head, head_dim),
-        keys_per_seq=n_keys,
-        groups=groups,
-    )
+    return _Plan(keys_per_seq=n_keys, groups=groups)
 
 
 def _attend_group(
@@ -164,12 +138,10 @@ def paged_attention_sdpa(
     sm_scale: float | None = None,
 ) -> torch.Tensor:
     """(N, H, D) new tokens against paged K/V; returns (N, H, D)."""
-    global _last_plan
     block_size = k_cache.shape[1]
     inputs = (block_tables, context_lens, query_start)
-    plan = _last_plan
-    if not _matches(plan, inputs, q, block_size):
-        plan = _last_plan = _make_plan(inputs, block_size, q, k_cache.element_size())
+    key = (block_size, *q.shape, k_cache.element_size())
+    plan = plans.get(inputs, key, lambda: _make_plan(inputs, block_size, q, k_cache.element_size()))
     parts = [
         _attend_group(q, k_cache, v_cache, g, plan.keys_per_seq, sm_scale) for g in plan.groups
     ]

@@ -7,6 +7,7 @@ engine can preempt a sequence and retry; no sequence ever writes into another's 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,11 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Hands out and takes back block ids from a free list."""
+    """Hands out and takes back block ids; the free block earliest in `order` goes out first.
+
+    Handing out the earliest free block keeps the blocks in use packed at the front of the pool,
+    so CPU decode attention can read them as one run, in place (`kernels.paged_decode_cpu`).
+    """
 
     def __init__(self, num_blocks: int, order: Sequence[int] | None = None) -> None:
         if num_blocks <= 0:
@@ -27,7 +32,9 @@ class BlockAllocator:
         if sorted(order) != list(range(num_blocks)):
             raise ValueError("order must be a permutation of range(num_blocks)")
         self.num_blocks = num_blocks
-        self._free = order[::-1]  # pop() from the end hands out order[0] first
+        self._order = order
+        self._rank = {block: rank for rank, block in enumerate(order)}
+        self._free = list(range(num_blocks))  # ranks of free blocks, a min-heap
         self._used: set[int] = set()
 
     @property
@@ -37,7 +44,7 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
+        blocks = [self._order[heapq.heappop(self._free)] for _ in range(n)]
         self._used.update(blocks)
         return blocks
 
@@ -46,7 +53,7 @@ class BlockAllocator:
             if b not in self._used:
                 raise ValueError(f"block {b} is not allocated")
             self._used.remove(b)
-            self._free.append(b)
+            heapq.heappush(self._free, self._rank[b])
 
 
 @dataclass
@@ -73,7 +80,12 @@ class CacheBatch:
 
 
 class KVCache:
-    """Key and value pools shaped (n_layer, num_blocks, block_size, n_head, head_dim)."""
+    """Key and value pools indexed (n_layer, num_blocks, block_size, n_head, head_dim).
+
+    `k` and `v` have that shape, but each (block, head) is stored as one contiguous
+    (block_size, head_dim) tile: `k.transpose(2, 3)` is contiguous. Kernels take strides, and CPU
+    decode attention multiplies those tiles where they lie.
+    """
 
     def __init__(
         self,
@@ -86,9 +98,9 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         block_order: Sequence[int] | None = None,
     ) -> None:
-        shape = (n_layer, num_blocks, block_size, n_head, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        stored = (n_layer, num_blocks, n_head, block_size, head_dim)
+        self.k = torch.zeros(stored, device=device, dtype=dtype).transpose(2, 3)
+        self.v = torch.zeros(stored, device=device, dtype=dtype).transpose(2, 3)
         self.block_size = block_size
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks, block_order)
@@ -181,6 +193,6 @@ class KVCache:
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store new keys/values (N, H, D) of one layer at their slots."""
-        n_blocks, bs, h, d = self.k.shape[1:]
-        self.k[layer].view(n_blocks * bs, h, d).index_copy_(0, slot_mapping, k.to(self.k.dtype))
-        self.v[layer].view(n_blocks * bs, h, d).index_copy_(0, slot_mapping, v.to(self.v.dtype))
+        where = (slot_mapping // self.block_size, slot_mapping % self.block_size)  # (block, offset)
+        self.k[layer].index_put_(where, k.to(self.k.dtype))
+        self.v[layer].index_put_(where, v.to(self.v.dtype))

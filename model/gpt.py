@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import flash_attention, paged_attention
 from model.cache import CacheBatch, KVCache
 from model.config import ModelConfig
-from model.packed_linear import PackedEmbedding, PackedLinear, pack_linears
+from model.packed_linear import PackedEmbedding, pack_head, pack_linears
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -206,21 +206,25 @@ class GPT(nn.Module):
 
     @property
     def is_packed_for_inference(self) -> bool:
-        return isinstance(self.lm_head, PackedLinear)
+        return getattr(self, "_packed_for_inference", False)
 
     @torch.no_grad()
     def pack_for_cpu_inference(self, threads: int | None = None) -> None:
-        """Swap every Linear for a `PackedLinear` (same function) so decode uses all CPU threads.
+        """Swap every Linear for a packed one (same function) so decode runs fast on CPU threads.
 
-        For inference only: the packed weights take no gradients and the parameter names change.
-        A tied embedding then reads its rows from the packed head, so the table is stored once.
+        See `model.packed_linear.pack_linear`. For inference only: the packed weights take no
+        gradients, and the parameter names and layouts change. A tied embedding then reads its
+        rows from the head's slabs, so the table is not stored again for it.
         """
         if self.is_packed_for_inference:
             return  # already packed (several engines may share one model)
+        threads = threads or torch.get_num_threads()
         tied = self.lm_head.weight is self.transformer.wte.weight
-        pack_linears(self, threads or torch.get_num_threads())
+        self.lm_head, slabs = pack_head(self.lm_head, threads)
+        pack_linears(self, threads)
         if tied:
-            self.transformer.wte = PackedEmbedding(self.lm_head)
+            self.transformer.wte = PackedEmbedding(slabs)
+        self._packed_for_inference = True
 
     def make_cache(
         self,

@@ -7,8 +7,11 @@ with one `baddbmm`, which gives each thread its own slab.
 
 Slab layout, chosen by measuring both on the 2-core development box: a layer's matrices are faster
 with slabs stored (width, in), each output's weights contiguous; the 154 MB vocabulary head with
-(in, width) slabs, and it gets more slabs than threads (`slab_count`). Against `nn.Linear`:
-`python bench/cpu_parts.py` (1.9x for the layers and 2.2x for the head with one row).
+(in, width) slabs, and it gets more slabs than threads (`slab_count`).
+
+`pack_linear` and `pack_head` choose per matrix between these slabs and oneDNN's own layout
+(`model.onednn_linear`), which is faster for several rows; `python bench/cpu_parts.py` measures
+all three against each other.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from model.onednn_linear import OneDnnLinear, RowSwitch
 
 
 class PackedLinear(nn.Module):
@@ -87,11 +92,30 @@ def slab_count(linear: nn.Linear, threads: int) -> int:
     return threads * max(1, -(-size // (threads * SLAB_BYTES)))
 
 
+def pack_linear(linear: nn.Linear, threads: int) -> nn.Module:
+    """A layer's matrix for CPU inference: oneDNN's layout where it runs here, else slabs."""
+    if OneDnnLinear.supports(linear.weight.dtype):
+        return OneDnnLinear(linear)
+    return PackedLinear(linear, slab_count(linear, threads))
+
+
+def pack_head(linear: nn.Linear, threads: int) -> tuple[nn.Module, PackedLinear]:
+    """The output head for CPU inference, and the slabs a tied embedding reads its rows from.
+
+    With one row (single-stream decode) the slabs are fastest; with more, oneDNN, so where oneDNN
+    runs the head keeps both copies and switches on the row count.
+    """
+    parts = slab_count(linear, threads)
+    slabs = PackedLinear(linear, parts, column_major=parts > threads)
+    if OneDnnLinear.supports(linear.weight.dtype):
+        return RowSwitch(slabs, OneDnnLinear(linear), rows=2), slabs
+    return slabs, slabs
+
+
 def pack_linears(model: nn.Module, threads: int) -> None:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear`, in place."""
+    """Replace every `nn.Linear` in `model` by its `pack_linear` form, in place."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            parts = slab_count(module, threads)
-            setattr(parent, child, PackedLinear(module, parts, column_major=parts > threads))
+            setattr(parent, child, pack_linear(module, threads))

@@ -21,15 +21,20 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff / expected.abs().max().clamp_min(1e-6))
 
 
-def paged_batch(ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0):
+def paged_batch(
+    ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0, spare=3,
+    head_major=False,
+):  # fmt: skip
     """Pools full of NaN except the slots the sequences own, in shuffled pool blocks.
 
     Tables are padded with block 0, which nobody owns: a kernel that reads past a context, or
-    through a padding entry, without masking the load picks up NaN.
+    through a padding entry, without masking the load picks up NaN. `spare` more blocks are owned
+    by nobody. `head_major` stores the pools as `model.cache.KVCache` does: each (block, head) a
+    contiguous (page_size, head_dim) tile, seen through the same (blocks, page, H, D) shape.
     """
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // page_size) for n in ctx_lens]
-    num_blocks = sum(pages) + 3  # a few blocks nobody owns
+    num_blocks = sum(pages) + spare
     order = list(range(1, num_blocks))  # block 0 stays garbage and pads the tables
     random.Random(seed).shuffle(order)
     shape = (num_blocks, page_size, n_head, head_dim)
@@ -51,6 +56,8 @@ def paged_batch(ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, se
     query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(query_start[-1]), n_head, head_dim, generator=gen)
     context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    if head_major:
+        k_cache, v_cache = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_cache, v_cache))
     return tuple(
         t.to(device, dtype) if t.is_floating_point() else t.to(device)
         for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)

@@ -41,23 +41,23 @@ def test_layers_of_one_step_share_a_plan_and_a_changed_batch_gets_a_new_one():
         **CASES["mixed"], page_size=5, n_head=2, head_dim=8, dtype=torch.float32, device="cpu"
     )
     paged_attention_sdpa(q, k_cache, v_cache, tables, ctx, starts)
-    plan = sdpa_paged._last_plan
+    plan = sdpa_paged.plans.plan
     # another layer of the same step: same batch tensors, other pools and queries
     k2, v2 = k_cache * 2, v_cache + 1
     out = paged_attention_sdpa(q * 3, k2, v2, tables, ctx, starts)
-    assert sdpa_paged._last_plan is plan
+    assert sdpa_paged.plans.plan is plan
     ref = paged_attention_reference(q * 3, k2, v2, tables, ctx, starts)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
     # the batch tensors changed in place (a shorter context): the plan is rebuilt
     ctx[1] -= 20
     out = paged_attention_sdpa(q, k_cache, v_cache, tables, ctx, starts)
-    assert sdpa_paged._last_plan is not plan
+    assert sdpa_paged.plans.plan is not plan
     ref = paged_attention_reference(q, k_cache, v_cache, tables, ctx, starts)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
     # equal values in new tensor objects (the next step) also get a plan of their own
-    plan = sdpa_paged._last_plan
+    plan = sdpa_paged.plans.plan
     paged_attention_sdpa(q, k_cache, v_cache, tables.clone(), ctx.clone(), starts.clone())
-    assert sdpa_paged._last_plan is not plan
+    assert sdpa_paged.plans.plan is not plan
 
 
 def test_inputs_made_in_inference_mode_work_without_a_cached_plan():

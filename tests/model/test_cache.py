@@ -92,3 +92,29 @@ def test_allocator_hands_out_and_takes_back():
     with pytest.raises(ValueError):
         alloc.free([3])
     assert alloc.allocate(1) == [3]
+
+
+def test_allocator_hands_out_the_earliest_free_block_in_its_order():
+    alloc = BlockAllocator(6, order=[5, 3, 1, 0, 2, 4])
+    first = alloc.allocate(4)  # 5, 3, 1, 0
+    alloc.free([3, 0])
+    assert alloc.allocate(1) == [3]  # 3 comes before 0 in the order, wherever it was freed
+    assert alloc.allocate(2) == [0, 2]
+    plain = BlockAllocator(8)
+    blocks = plain.allocate(6)
+    plain.free(blocks[1:4])
+    assert plain.allocate(2) == [1, 2]  # lowest ids first: the pool in use stays packed
+    assert first == [5, 3, 1, 0]
+
+
+def test_pools_store_each_block_and_head_as_one_tile_and_writes_land_in_their_slots():
+    cache = _model().make_cache(num_blocks=5, block_size=4)
+    n_layer, n_blocks, bs, n_head, head_dim = cache.k.shape
+    assert (n_blocks, bs) == (5, 4)
+    assert cache.k.transpose(2, 3).is_contiguous() and cache.v.transpose(2, 3).is_contiguous()
+    batch = cache.prepare([(0, 6)])  # slots 0..5: blocks 0 and 1
+    k = torch.randn(6, n_head, head_dim)
+    cache.write(1, batch.slot_mapping, k, -k)
+    assert torch.equal(cache.k[1, 0], k[:4]) and torch.equal(cache.k[1, 1, :2], k[4:])
+    assert torch.equal(cache.v[1, 1, :2], -k[4:])
+    assert not cache.k[0].any() and not cache.k[1, 1, 2:].any()

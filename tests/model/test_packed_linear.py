@@ -4,6 +4,7 @@ import torch.nn as nn
 
 from model import GPT
 from model.config import ModelConfig
+from model.onednn_linear import OneDnnLinear
 from model.packed_linear import PackedLinear, pack_linears
 
 
@@ -30,13 +31,16 @@ def test_rows_read_the_original_weight_rows(column_major):
     torch.testing.assert_close(packed.rows(index), linear.weight.detach()[index])
 
 
-def test_pack_linears_replaces_nested_linears():
-    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 2)))
-    x = torch.randn(3, 4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pack_linears_replaces_nested_linears(dtype):
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 2))).to(dtype)
+    x = torch.randn(3, 4, dtype=dtype)
     before = model(x)
     pack_linears(model, 2)
-    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
-    torch.testing.assert_close(model(x), before)
+    kind = OneDnnLinear if OneDnnLinear.supports(dtype) else PackedLinear
+    assert isinstance(model[0], kind) and isinstance(model[2][0], kind)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(model(x), before, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -49,13 +53,18 @@ def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie):
     with torch.no_grad():
         before = model(idx)
         n_params = model.num_params()
+        head_weight = model.lm_head.weight.clone()
         model.pack_for_cpu_inference(threads=2)
         model.pack_for_cpu_inference(threads=2)  # a second call changes nothing
         after = model(idx)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-    # packing pads each matrix to a multiple of `parts` columns, and stores nothing twice
-    padding = sum(p.numel() for p in model.parameters()) - n_params
-    assert 0 <= padding < 2 * 32 * 4 * cfg.n_layer + 2 * 32
+    for rows in (1, 3):  # the head's two forms: slabs for one row, oneDNN for more
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(model.lm_head(x), x @ head_weight.T, rtol=1e-5, atol=1e-5)
+    # slabs pad each matrix to a multiple of `parts` columns; only the head may be stored twice
+    extra = sum(p.numel() for p in model.parameters()) - n_params
+    head_copy = head_weight.numel() if OneDnnLinear.supports(torch.float32) else 0
+    assert head_copy <= extra < head_copy + 2 * 32
 
 
 def test_slab_count_is_one_per_thread_until_a_slab_would_exceed_the_cap():

@@ -1,0 +1,148 @@
+"""Decode attention on the CPU, reading the paged pools where they lie (no gathered copy).
+
+For a decode step (one new token per sequence) over pools stored head-major, as `KVCache` stores
+them: each (block, head) is a contiguous (block_size, D) tile, so one `bmm` multiplies every
+used tile by its sequence's query, another every tile's probabilities by its values. The
+softmax is split over blocks: each block gives its scores' maximum; a sequence's maximum, its
+normaliser and its output are then reduced over its blocks in block-table order, so a sequence's
+result does not depend on where its blocks lie or on what else is in the batch.
+
+The allocator hands out the lowest free blocks (`model.cache.BlockAllocator`), so the blocks of a
+batch usually form one run at the front of the pool, which is read in place, holes included
+(masked). When the run is over twice the blocks in use, those blocks are gathered instead.
+
+Slots past a sequence's length in its last block may hold anything, even NaN. Their scores are
+masked; their values are set to zero in the pool, since 0 * NaN is NaN. Nothing lives there: the
+sequence writes those slots as it grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.step_plan import StepPlanCache
+
+
+@dataclass
+class _Plan:
+    run: tuple[int, int] | None  # pool blocks [first, last) read in place, or None
+    blocks: torch.Tensor | None  # (R,) pool blocks to gather when there is no run
+    row_seq: torch.Tensor  # (R,) the sequence each row (block) belongs to (0 for a hole)
+    masked: torch.Tensor  # (R, 1, bs) True where a row's slot is not a key of its sequence
+    seq_rows: torch.Tensor  # (B, nb) each sequence's rows in table order; R pads
+    stale: torch.Tensor | None  # (S,) rows of the (NB * H * bs, D) value tiles past sequences' ends
+
+
+plans: StepPlanCache[_Plan | None] = StepPlanCache()
+
+
+def _make_plan(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    bs: int,
+    n_head: int,
+) -> _Plan | None:
+    batch = block_tables.shape[0]
+    if not bool(((query_start[1:] - query_start[:-1]) == 1).all()):
+        return None  # not a decode step
+    device = block_tables.device
+    ctx = context_lens.long()  # (B,)
+    n_blocks = -(-ctx // bs)  # (B,)
+    width = int(n_blocks.max())
+    j = torch.arange(width, device=device)  # (nb,)
+    used = j[None, :] < n_blocks[:, None]  # (B, nb)
+    blocks = block_tables[:, :width].long()[used]  # (U,) in sequence, then table, order
+    seq = torch.arange(batch, device=device)[:, None].expand(-1, width)[used]  # (U,)
+    first_key = (j * bs)[None, :].expand(batch, -1)[used]  # (U,) position of a block's slot 0
+
+    first, last = int(blocks.min()), int(blocks.max()) + 1
+    n_used = blocks.numel()
+    if last - first <= 2 * n_used:  # read the run in place; rows are its blocks, holes masked
+        n_rows = last - first
+        row = blocks - first  # (U,) the row of each used block
+        run, gather = (first, last), None
+    else:
+        n_rows = n_used
+        row = torch.arange(n_used, device=device)
+        run, gather = None, blocks
+    row_seq = torch.zeros(n_rows, dtype=torch.long, device=device).index_copy_(0, row, seq)
+    row_first = torch.full((n_rows,), 1 << 40, dtype=torch.long, device=device)
+    row_first.index_copy_(0, row, first_key)  # holes start past any context: fully masked
+    slot = row_first[:, None] + torch.arange(bs, device=device)[None, :]  # (R, bs) positions
+    masked = slot >= ctx[row_seq][:, None]  # (R, bs)
+
+    seq_rows = torch.full((batch, width), n_rows, dtype=torch.long, device=device)
+    seq_rows[used] = row
+    last_slot = (ctx - 1) % bs  # (B,) slot of each sequence's newest key in its last block
+    offsets = torch.arange(bs, device=device)[None, :]
+    stale_at = offsets > last_slot[:, None]  # (B, bs)
+    last_block = block_tables.long().gather(1, (n_blocks - 1)[:, None]).expand(-1, bs)
+    heads = torch.arange(n_head, device=device)[None, :]
+    stale = (last_block[stale_at][:, None] * n_head + heads) * bs  # (S, H) first row of a tile
+    stale = (stale + offsets.expand(batch, -1)[stale_at][:, None]).reshape(-1)
+    return _Plan(
+        run=run,
+        blocks=gather,
+        row_seq=row_seq,
+        masked=masked[:, None, :],
+        seq_rows=seq_rows,
+        stale=stale if stale.numel() else None,
+    )
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor | None:
+    """(B, H, D) decode queries against head-major paged K/V; None if this is not such a step.
+
+    Same contract as `kernels.reference.paged_attention_reference`; None when some sequence has
+    other than one new token, or when the pools are not stored head-major.
+    """
+    k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
+    if not (k_tiles.is_contiguous() and v_tiles.is_contiguous()):
+        return None
+    n_pool, n_head, bs, head_dim = k_tiles.shape
+    inputs = (block_tables, context_lens, query_start)
+    plan = plans.get(
+        inputs,
+        (bs, n_pool, q.shape[0]),
+        lambda: _make_plan(block_tables, context_lens, query_start, bs, n_head),
+    )
+    if plan is None:
+        return None
+    if plan.stale is not None:
+        v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
+    if plan.run is not None:
+        keys, values = (t[plan.run[0] : plan.run[1]] for t in (k_tiles, v_tiles))
+    else:
+        keys, values = k_tiles[plan.blocks], v_tiles[plan.blocks]  # (R, H, bs, D)
+    n_rows = keys.shape[0]
+    scale = sm_scale if sm_scale is not None else head_dim**-0.5
+    q_rows = (q[plan.row_seq] * scale).reshape(n_rows * n_head, 1, head_dim)
+    scores = torch.bmm(q_rows, keys.reshape(n_rows * n_head, bs, head_dim).transpose(1, 2))
+    scores = scores.view(n_rows, n_head, bs).float()  # (R, H, bs)
+    scores.masked_fill_(plan.masked, float("-inf"))
+
+    def per_seq(row_values: torch.Tensor, pad: float) -> torch.Tensor:
+        """(R, ...) -> (B, nb, ...): each sequence's rows in table order, `pad` past its end."""
+        padded = torch.cat([row_values, row_values.new_full((1, *row_values.shape[1:]), pad)])
+        return padded[plan.seq_rows]
+
+    seq_max = per_seq(scores.amax(-1), float("-inf")).amax(1)  # (B, H): key 0 is always valid
+    probs = torch.exp(scores - seq_max[plan.row_seq][:, :, None])  # (R, H, bs)
+    total = per_seq(probs.sum(-1), 0.0).sum(1)  # (B, H)
+    out = torch.bmm(
+        probs.to(values.dtype).view(n_rows * n_head, 1, bs),
+        values.reshape(n_rows * n_head, bs, head_dim),
+    ).view(n_rows, n_head, head_dim)  # (R, H, D)
+    out = per_seq(out.float(), 0.0).sum(1)  # (B, H, D)
+    return (out / total[:, :, None]).to(q.dtype)

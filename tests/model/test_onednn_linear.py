@@ -1,0 +1,56 @@
+import pytest
+import torch
+import torch.nn as nn
+
+from model.onednn_linear import OneDnnLinear, RowSwitch
+
+needs_onednn = pytest.mark.skipif(
+    not OneDnnLinear.supports(torch.float32), reason="this PyTorch build has no oneDNN linear"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("planned_rows", [1, 32])
+def test_onednn_linear_computes_what_the_linear_computes(bias, planned_rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 37, bias=bias)
+    fast = OneDnnLinear(linear, planned_rows)
+    with torch.no_grad():
+        for shape in [(1, 24), (5, 24), (40, 24), (2, 3, 24)]:  # fewer and more than planned
+            x = torch.randn(shape)
+            torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-6)
+    assert fast.weight.is_mkldnn and not fast.weight.requires_grad
+    assert fast.weight.numel() == linear.weight.numel()
+
+
+@pytest.mark.skipif(not OneDnnLinear.supports(torch.bfloat16), reason="no oneDNN bf16 here")
+def test_onednn_linear_in_bfloat16():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(OneDnnLinear(linear)(x).float(), linear(x).float(),
+                                   rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
+def test_supports_answers_without_raising_for_every_float_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert OneDnnLinear.supports(dtype) in (True, False)
+
+
+class _Tag(nn.Module):
+    def __init__(self, tag: float) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full(x.shape[:-1], self.tag)
+
+
+def test_row_switch_picks_by_the_number_of_rows():
+    switch = RowSwitch(_Tag(1.0), _Tag(2.0), rows=2)
+    assert switch(torch.zeros(1, 8)).tolist() == [1.0]
+    assert switch(torch.zeros(2, 8)).tolist() == [2.0, 2.0]
+    assert switch(torch.zeros(1, 1, 8)).tolist() == [[1.0]]
+    assert switch(torch.zeros(3, 1, 8)).tolist() == [[2.0]] * 3
