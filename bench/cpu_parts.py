@@ -10,7 +10,7 @@
    keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`), and
    those groups against head-major pools read in place (`kernels.paged_decode_cpu`).
 3. A decode step of the Engine with 32 sequences, in two fresh processes: glibc's default
-   allocator against the tuned one (model.cpu_memory).
+   allocator against the tuned one (model.cpu_memory), which parts 1 and 2 run with.
 
 The two sides of a row run in alternation and each keeps its best, so the machine's slow spells
 (memory bandwidth here drifts by 20 %) fall on both.
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from model.cache import KVCache  # noqa: E402
+from model.cpu_memory import retain_freed_memory  # noqa: E402
 from model.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
@@ -157,6 +158,7 @@ def allocator_row() -> Row:
 
 
 def main() -> None:
+    retain_freed_memory()  # as the Engine does (the allocator row compares both in subprocesses)
     rows = linear_rows() + attention_rows(1) + attention_rows(32) + [allocator_row()]
     print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}; best of 7 rounds, "
           "the two sides in turn (the engine step: median of 15, one process each)\n")  # fmt: skip

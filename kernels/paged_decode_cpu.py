@@ -2,10 +2,10 @@
 
 For a decode step (one new token per sequence) over pools stored head-major, as `KVCache` stores
 them: each (block, head) is a contiguous (block_size, D) tile, so one `bmm` multiplies every
-used tile by its sequence's query, another every tile's probabilities by its values. The
-softmax is split over blocks: each block gives its scores' maximum; a sequence's maximum, its
-normaliser and its output are then reduced over its blocks in block-table order, so a sequence's
-result does not depend on where its blocks lie or on what else is in the batch.
+used tile by its sequence's query, another every tile's probabilities by its values. In between,
+the small score tensor is laid out per sequence in block-table order for one softmax per
+sequence and head, and the tiles' outputs are summed in that order, so a sequence's result does
+not depend on where its blocks lie or on what else is in the batch.
 
 The allocator hands out the lowest free blocks (`model.cache.BlockAllocator`), so the blocks of a
 batch usually form one run at the front of the pool, which is read in place, holes included
@@ -30,8 +30,10 @@ class _Plan:
     run: tuple[int, int] | None  # pool blocks [first, last) read in place, or None
     blocks: torch.Tensor | None  # (R,) pool blocks to gather when there is no run
     row_seq: torch.Tensor  # (R,) the sequence each row (block) belongs to (0 for a hole)
+    row_place: torch.Tensor  # (R,) sequence * nb + the row's place in its block table
     masked: torch.Tensor  # (R, 1, bs) True where a row's slot is not a key of its sequence
     seq_rows: torch.Tensor  # (B, nb) each sequence's rows in table order; R pads
+    padded: bool  # whether seq_rows holds pads (sequences of different block counts)
     stale: torch.Tensor | None  # (S,) rows of the (NB * H * bs, D) value tiles past sequences' ends
 
 
@@ -56,6 +58,7 @@ def _make_plan(
     used = j[None, :] < n_blocks[:, None]  # (B, nb)
     blocks = block_tables[:, :width].long()[used]  # (U,) in sequence, then table, order
     seq = torch.arange(batch, device=device)[:, None].expand(-1, width)[used]  # (U,)
+    index = j[None, :].expand(batch, -1)[used]  # (U,)
     first_key = (j * bs)[None, :].expand(batch, -1)[used]  # (U,) position of a block's slot 0
 
     first, last = int(blocks.min()), int(blocks.max()) + 1
@@ -69,6 +72,8 @@ def _make_plan(
         row = torch.arange(n_used, device=device)
         run, gather = None, blocks
     row_seq = torch.zeros(n_rows, dtype=torch.long, device=device).index_copy_(0, row, seq)
+    row_place = torch.zeros(n_rows, dtype=torch.long, device=device)
+    row_place.index_copy_(0, row, seq * width + index)  # holes: 0, never read back
     row_first = torch.full((n_rows,), 1 << 40, dtype=torch.long, device=device)
     row_first.index_copy_(0, row, first_key)  # holes start past any context: fully masked
     slot = row_first[:, None] + torch.arange(bs, device=device)[None, :]  # (R, bs) positions
@@ -87,8 +92,10 @@ def _make_plan(
         run=run,
         blocks=gather,
         row_seq=row_seq,
+        row_place=row_place,
         masked=masked[:, None, :],
         seq_rows=seq_rows,
+        padded=not bool(used.all()),
         stale=stale if stale.numel() else None,
     )
 
@@ -126,23 +133,26 @@ def decode_attention_cpu(
     else:
         keys, values = k_tiles[plan.blocks], v_tiles[plan.blocks]  # (R, H, bs, D)
     n_rows = keys.shape[0]
+    batch, width = plan.seq_rows.shape
     scale = sm_scale if sm_scale is not None else head_dim**-0.5
-    q_rows = (q[plan.row_seq] * scale).reshape(n_rows * n_head, 1, head_dim)
+    q_rows = (q * scale).index_select(0, plan.row_seq).view(n_rows * n_head, 1, head_dim)
     scores = torch.bmm(q_rows, keys.reshape(n_rows * n_head, bs, head_dim).transpose(1, 2))
-    scores = scores.view(n_rows, n_head, bs).float()  # (R, H, bs)
-    scores.masked_fill_(plan.masked, float("-inf"))
-
-    def per_seq(row_values: torch.Tensor, pad: float) -> torch.Tensor:
-        """(R, ...) -> (B, nb, ...): each sequence's rows in table order, `pad` past its end."""
-        padded = torch.cat([row_values, row_values.new_full((1, *row_values.shape[1:]), pad)])
-        return padded[plan.seq_rows]
-
-    seq_max = per_seq(scores.amax(-1), float("-inf")).amax(1)  # (B, H): key 0 is always valid
-    probs = torch.exp(scores - seq_max[plan.row_seq][:, :, None])  # (R, H, bs)
-    total = per_seq(probs.sum(-1), 0.0).sum(1)  # (B, H)
+    scores = scores.view(n_rows, n_head, bs).masked_fill_(plan.masked, float("-inf"))
+    # one softmax per sequence and head over all its keys, laid out in table order
+    by_seq = _by_sequence(scores, plan, float("-inf"))  # (B, nb, H, bs)
+    flat = by_seq.transpose(1, 2).reshape(batch, n_head, width * bs)
+    probs = torch.softmax(flat.float(), dim=-1).view(batch, n_head, width, bs)
+    row_probs = probs.transpose(1, 2).reshape(batch * width, n_head, bs)
+    row_probs = row_probs.index_select(0, plan.row_place)  # (R, H, bs)
     out = torch.bmm(
-        probs.to(values.dtype).view(n_rows * n_head, 1, bs),
+        row_probs.to(values.dtype).view(n_rows * n_head, 1, bs),
         values.reshape(n_rows * n_head, bs, head_dim),
-    ).view(n_rows, n_head, head_dim)  # (R, H, D)
-    out = per_seq(out.float(), 0.0).sum(1)  # (B, H, D)
-    return (out / total[:, :, None]).to(q.dtype)
+    ).view(n_rows, n_head, head_dim)  # (R, H, D): each block's share of its sequence's output
+    return _by_sequence(out, plan, 0.0).sum(1).to(q.dtype)  # (B, H, D), summed in table order
+
+
+def _by_sequence(rows: torch.Tensor, plan: _Plan, pad: float) -> torch.Tensor:
+    """(R, ...) -> (B, nb, ...): each sequence's rows in block-table order, `pad` past its end."""
+    if plan.padded:
+        rows = torch.cat([rows, rows.new_full((1, *rows.shape[1:]), pad)])
+    return rows.index_select(0, plan.seq_rows.view(-1)).view(*plan.seq_rows.shape, *rows.shape[1:])

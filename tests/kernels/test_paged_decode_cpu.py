@@ -64,8 +64,11 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch():
     v2 = torch.randn(n_pool, 2, 8, 16).transpose(1, 2)
     moved = [11, 3, 25, 7, 20]
     k2[moved], v2[moved] = k[tables[0, :5].long()], v[tables[0, :5].long()]
-    batch_tables = torch.tensor([[0, 1, 2, 4, 5], moved, [6, 8, 9, 10, 12]], dtype=torch.int32)
-    batch_ctx = torch.tensor([40, 37, 33], dtype=torch.int32)
+    batch_tables = torch.tensor(  # a longer sequence first: the batch pads the shorter ones
+        [[0, 1, 2, 4, 5, 13, 14, 15], moved + [0] * 3, [6, 8, 9, 10, 12, 0, 0, 0]],
+        dtype=torch.int32,
+    )
+    batch_ctx = torch.tensor([60, 37, 33], dtype=torch.int32)
     batch_q = torch.cat([torch.randn(1, 2, 16), q, torch.randn(1, 2, 16)])
     starts = torch.arange(4, dtype=torch.int32)
     together = decode_attention_cpu(batch_q, k2, v2, batch_tables, batch_ctx, starts)
