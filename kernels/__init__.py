@@ -2,8 +2,9 @@
 
 `flash_attention` (training, full causal forward) and `paged_attention` (inference over the paged
 KV cache) run as Triton kernels on CUDA and as PyTorch elsewhere: SDPA, and for paged attention
-`kernels.paged_decode_cpu` for decode steps over head-major pools (how `KVCache` stores them), else
-SDPA after a gather of each sequence's keys and values (`kernels.sdpa_paged`). `set_backend("triton")`
+`kernels.paged_decode_cpu` for the sequences that decode, over head-major pools (how `KVCache`
+stores them), and SDPA after a gather of each sequence's keys and values for the rest
+(`kernels.sdpa_paged`). `set_backend("triton")`
 forces the Triton kernels (on CPU that needs TRITON_INTERPRET=1 set before triton is imported);
 `set_backend("torch")` forces PyTorch.
 """
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from kernels.paged_decode_cpu import decode_attention_cpu
 from kernels.reference import attention_reference, paged_attention_reference
 from kernels.sdpa_paged import paged_attention_sdpa
+from kernels.step_plan import StepPlanCache
 
 __all__ = [
     "attention_reference",
@@ -81,6 +83,41 @@ def paged_attention(
         return triton_paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale=sm_scale
         )
-    args = (q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale)
-    out = decode_attention_cpu(*args) if q.device.type == "cpu" else None
-    return paged_attention_sdpa(*args) if out is None else out
+    if q.device.type == "cpu":
+        return _paged_attention_cpu(
+            q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale
+        )
+    return paged_attention_sdpa(
+        q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale=sm_scale
+    )
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # block tables, lengths, query starts
+_cpu_splits: StepPlanCache[tuple[int, Batch, Batch] | None] = StepPlanCache()
+
+
+def _decode_prefix(tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor):
+    """(n, first n sequences, the rest) when the batch opens with n decodes and has more."""
+    one_new = (starts[1:] - starts[:-1]) == 1  # (B,)
+    n = int(one_new.int().cumprod(0).sum())  # leading sequences with one new token
+    if n in (0, len(one_new)):
+        return None
+    rest_starts = starts[n:] - starts[n]
+    return n, (tables[:n], lens[:n], starts[: n + 1]), (tables[n:], lens[n:], rest_starts)
+
+
+def _paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start, scale):
+    """Decode sequences read head-major pools in place; prefills (and the rest) gather + SDPA.
+
+    The engine puts a step's decodes first, so a step that also prefills splits in two.
+    """
+    inputs = (block_tables, context_lens, query_start)
+    split = _cpu_splits.get(inputs, q.shape[0], lambda: _decode_prefix(*inputs))
+    if split is None:
+        out = decode_attention_cpu(q, k_cache, v_cache, *inputs, scale)
+        return paged_attention_sdpa(q, k_cache, v_cache, *inputs, scale) if out is None else out
+    n, decodes, rest = split
+    first = decode_attention_cpu(q[:n], k_cache, v_cache, *decodes, scale)
+    if first is None:  # pools the in-place path does not cover
+        return paged_attention_sdpa(q, k_cache, v_cache, *inputs, scale)
+    return torch.cat([first, paged_attention_sdpa(q[n:], k_cache, v_cache, *rest, scale)])

@@ -84,12 +84,23 @@ def test_declines_what_it_does_not_cover():
     assert decode_attention_cpu(*token_major) is None
 
 
-def test_the_dispatch_uses_it_for_decode_and_the_gather_path_otherwise():
+@pytest.mark.parametrize(
+    "q_lens, in_place",
+    [([1, 1, 1], 3), ([1, 1, 4], 2), ([1, 3, 1], 1), ([3, 1, 1], 0), ([2, 3, 4], 0)],
+)
+@pytest.mark.parametrize("head_major", [True, False])
+def test_the_dispatch_reads_leading_decodes_in_place_and_gathers_the_rest(
+    q_lens, in_place, head_major
+):
     import kernels
+    import kernels.sdpa_paged as sdpa_paged
 
-    for q_lens in ([1, 1], [1, 3]):
-        args = paged_batch([5, 9], q_lens, 4, n_head=2, head_dim=8, dtype=torch.float32,
-                           device="cpu", head_major=True)  # fmt: skip
-        out = kernels.paged_attention(*args)
-        assert rel_error(out, paged_attention_reference(*args)) < TOLERANCE[torch.float32]
-        assert (decode_cpu.plans.plan is not None) == (q_lens == [1, 1])
+    sdpa_paged.plans.clear()
+    args = paged_batch([5, 9, 13], q_lens, 4, n_head=2, head_dim=8, dtype=torch.float32,
+                       device="cpu", head_major=head_major)  # fmt: skip
+    out = kernels.paged_attention(*args)
+    assert rel_error(out, paged_attention_reference(*args)) < TOLERANCE[torch.float32]
+    plan = decode_cpu.plans.plan
+    read_in_place = 0 if plan is None or not head_major else plan.seq_rows.shape[0]
+    assert read_in_place == (in_place if head_major else 0)
+    assert (sdpa_paged.plans.plan is not None) == (in_place < 3 or not head_major)
