@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kernels import flash_attention, paged_attention
 from model.cache import CacheBatch, KVCache
 from model.config import ModelConfig
+from model.onednn_linear import OneDnnLinear
 from model.packed_linear import PackedEmbedding, pack_head, pack_linears
 
 
@@ -78,11 +79,20 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.relu = config.activation == "relu"
         self.dropout = nn.Dropout(config.dropout)
+        self.fused_activation = False  # c_fc applies the activation itself (CPU inference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
-        h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
+        if not self.fused_activation:
+            h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
+
+    def fuse_activation(self) -> None:
+        """For CPU inference: c_fc becomes a oneDNN linear that applies the activation too."""
+        if isinstance(self.c_fc, nn.Linear) and OneDnnLinear.supports(self.c_fc.weight.dtype):
+            activation = "relu" if self.relu else "gelu_tanh"
+            self.c_fc = OneDnnLinear(self.c_fc, activation=activation)
+            self.fused_activation = True
 
 
 class Block(nn.Module):
@@ -221,6 +231,8 @@ class GPT(nn.Module):
         threads = threads or torch.get_num_threads()
         tied = self.lm_head.weight is self.transformer.wte.weight
         self.lm_head, slabs = pack_head(self.lm_head, threads)
+        for block in self.transformer.h:
+            block.mlp.fuse_activation()
         pack_linears(self, threads)
         if tied:
             self.transformer.wte = PackedEmbedding(slabs)

@@ -22,11 +22,20 @@ import torch.nn as nn
 PLANNED_ROWS = 32  # the batch size oneDNN picks its weight layout for (a full decode batch)
 
 
-class OneDnnLinear(nn.Module):
-    """Same function as the `nn.Linear` it is built from; the weight in oneDNN's layout."""
+ACTIVATIONS = {"none": ("none", ""), "relu": ("relu", ""), "gelu_tanh": ("gelu", "tanh")}
 
-    def __init__(self, linear: nn.Linear, planned_rows: int = PLANNED_ROWS) -> None:
+
+class OneDnnLinear(nn.Module):
+    """The `nn.Linear` it is built from, then `activation`; the weight in oneDNN's layout.
+
+    The activation runs inside oneDNN's kernel, on the output while it is still in cache.
+    """
+
+    def __init__(
+        self, linear: nn.Linear, planned_rows: int = PLANNED_ROWS, activation: str = "none"
+    ) -> None:
         super().__init__()
+        self.attr, self.algorithm = ACTIVATIONS[activation]
         self.out_features, self.in_features = linear.weight.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), planned_rows)
         self.weight = nn.Parameter(packed, requires_grad=False)  # opaque (out, in)
@@ -35,7 +44,9 @@ class OneDnnLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out)."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x, self.weight, self.bias, self.attr, [], self.algorithm
+        )
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

@@ -161,6 +161,18 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
+def _changes_logits(row: SampleRow) -> bool:
+    """Whether `apply_penalties` has anything to do for this row."""
+    p = row.params
+    return bool(
+        p.logit_bias
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.repetition_penalty != 1.0
+        or len(row.output_ids) < p.min_tokens
+    )
+
+
 def _truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Mask tokens outside each row's top-k / top-p / min-p set with -inf; (B, V) in place."""
     top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in rows]
@@ -186,8 +198,11 @@ def _truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
     """Pick one token per row of (B, V) logits according to each row's parameters."""
-    logits = apply_penalties(logits.float().cpu().clone(), rows)
-    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    logits = logits.float().cpu()
+    if any(_changes_logits(r) for r in rows):
+        logits = apply_penalties(logits.clone(), rows)  # the caller's tensor stays as it was
+    # log-probabilities as logit - logsumexp: no (B, V) log-softmax copy for a few values
+    log_total = torch.logsumexp(logits, dim=-1)  # (B,)
     tokens = logits.argmax(dim=-1)  # greedy choice; replaced below for sampled rows
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
@@ -204,12 +219,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
             if rows[i].generator is not None:
                 noise[j].exponential_(generator=rows[i].generator)
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_total
     n_top = max((r.params.logprobs or 0) for r in rows)
     top_ids: list[list[int]] = [[] for _ in rows]
     top_lp: list[list[float]] = [[] for _ in rows]
     if n_top:
-        values, ids = logprobs.topk(n_top, dim=-1)
+        values, ids = logits.topk(n_top, dim=-1)
+        values = values - log_total[:, None]
         for i, r in enumerate(rows):
             n = r.params.logprobs or 0
             top_ids[i] = ids[i, :n].tolist()

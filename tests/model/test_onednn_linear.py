@@ -24,6 +24,20 @@ def test_onednn_linear_computes_what_the_linear_computes(bias, planned_rows):
     assert fast.weight.numel() == linear.weight.numel()
 
 
+@needs_onednn
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_the_activation_runs_inside_the_product(activation):
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 40)
+    act = F.relu if activation == "relu" else lambda t: F.gelu(t, approximate="tanh")
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        got = OneDnnLinear(linear, activation=activation)(x)
+        torch.testing.assert_close(got, act(linear(x)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not OneDnnLinear.supports(torch.bfloat16), reason="no oneDNN bf16 here")
 def test_onednn_linear_in_bfloat16():
     torch.manual_seed(0)

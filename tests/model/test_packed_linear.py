@@ -43,11 +43,11 @@ def test_pack_linears_replaces_nested_linears(dtype):
     torch.testing.assert_close(model(x), before, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie):
+@pytest.mark.parametrize("tie, activation", [(True, "gelu"), (False, "gelu"), (True, "relu")])
+def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie, activation):
     torch.manual_seed(0)
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=101,
-                      tie_embeddings=tie)
+                      tie_embeddings=tie, activation=activation)
     model = GPT(cfg).eval()
     idx = torch.randint(0, 101, (2, 9))
     with torch.no_grad():
@@ -58,6 +58,8 @@ def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie):
         model.pack_for_cpu_inference(threads=2)  # a second call changes nothing
         after = model(idx)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    fused = OneDnnLinear.supports(torch.float32)  # c_fc then applies the activation itself
+    assert all(b.mlp.fused_activation == fused for b in model.transformer.h)
     for rows in (1, 3):  # the head's two forms: slabs for one row, oneDNN for more
         x = torch.randn(rows, 32)
         torch.testing.assert_close(model.lm_head(x), x @ head_weight.T, rtol=1e-5, atol=1e-5)

@@ -136,3 +136,19 @@ def test_validation_names_the_field(kw, param):
     with pytest.raises(SamplingError) as err:
         SamplingParams(**kw).validate(vocab_size=10)
     assert err.value.param == param
+
+
+def test_sampling_leaves_the_callers_logits_as_they_were():
+    logits = torch.randn(2, 10)
+    before = logits.clone()
+    rows = [_row(temperature=0.7, top_k=3, repetition_penalty=1.3, logit_bias={1: 5.0}),
+            _row(temperature=0, frequency_penalty=0.5)]  # fmt: skip
+    rows[1].output_ids.extend([2, 2, 3])
+    out = sample(logits, rows)
+    assert torch.equal(logits, before)
+    penalised = before[1].clone()  # row 1: frequency penalty 0.5 for each earlier use
+    penalised[2] -= 1.0
+    penalised[3] -= 0.5
+    assert out.tokens[1] == int(penalised.argmax())
+    expected = torch.log_softmax(penalised, dim=-1)[out.tokens[1]]
+    assert math.isclose(out.logprobs[1], float(expected), rel_tol=1e-5, abs_tol=1e-6)
