@@ -5,7 +5,8 @@
 1. The 48 layer matrices (12 layers, all distinct so nothing stays in cache) and the vocabulary
    head, multiplied by 1, 8 and 32 rows: `nn.Linear` against weights in per-thread slabs
    (`PackedLinear`), and slabs against what the Engine uses now (`pack_linear`: oneDNN's layout;
-   `pack_head`: slabs for one row, oneDNN for more).
+   `pack_head`: slabs for one row, oneDNN for more); for one row, also the head in oneDNN's
+   layout alone.
 2. Decode attention for 1 and 32 sequences of 150-192 tokens over 12 layers: each sequence's
    keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`), and
    those groups against head-major pools read in place (`kernels.paged_decode_cpu`).
@@ -34,6 +35,7 @@ import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from model.cache import KVCache  # noqa: E402
 from model.cpu_memory import retain_freed_memory  # noqa: E402
+from model.onednn_linear import OneDnnLinear  # noqa: E402
 from model.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
@@ -82,6 +84,10 @@ def linear_rows() -> list[Row]:
             before, slabbed, now = (apply_all(f, plain, xs) for f in (plain, slabs, engine))
             rows.append((f"{name}, {n} rows", "nn.Linear -> slabs", *alternate(before, slabbed)))
             rows.append((f"{name}, {n} rows", "slabs -> engine's", *alternate(slabbed, now)))
+            if name == "vocabulary head" and n == 1:  # why the head keeps its slabs
+                onednn = apply_all([OneDnnLinear(head)], plain, xs)
+                rows.append((f"{name}, {n} rows", "oneDNN only -> engine's",
+                             *alternate(onednn, now)))  # fmt: skip
     return rows
 
 
