@@ -4,7 +4,7 @@ PyTorch's CPU allocator hands each tensor to malloc. glibc serves blocks above i
 (128 KiB to 32 MiB, adaptive) with fresh `mmap`s and returns them on free, so large temporaries
 are zero-filled page by page again at every use. A training step's logits alone are 411 MB
 (GPT-2 vocabulary, 2048 tokens); `python bench/train.py` shows the transformers baseline with and
-without this setting; for a 32-sequence decode step it is worth 1.15-1.4x
+without this setting; for a 32-sequence decode step it is worth 1.07-1.4x
 (`python bench/cpu_parts.py`). Raising the mmap and trim thresholds keeps those pages in the heap
 for reuse. The cost is that the
 process's resident size stays at its high-water mark instead of shrinking after a peak.
