@@ -121,7 +121,7 @@ def decode_attention_cpu(
     inputs = (block_tables, context_lens, query_start)
     plan = plans.get(
         inputs,
-        (bs, n_pool, q.shape[0]),
+        (bs, n_pool, n_head, q.shape[0]),
         lambda: _make_plan(block_tables, context_lens, query_start, bs, n_head),
     )
     if plan is None:
