@@ -96,7 +96,9 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # block tables, lengths
 _cpu_splits: StepPlanCache[tuple[int, Batch, Batch] | None] = StepPlanCache()
 
 
-def _decode_prefix(tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor):
+def _decode_prefix(
+    tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor
+) -> tuple[int, Batch, Batch] | None:
     """(n, first n sequences, the rest) when the batch opens with n decodes and has more."""
     one_new = (starts[1:] - starts[:-1]) == 1  # (B,)
     n = int(one_new.int().cumprod(0).sum())  # leading sequences with one new token
@@ -106,7 +108,15 @@ def _decode_prefix(tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tenso
     return n, (tables[:n], lens[:n], starts[: n + 1]), (tables[n:], lens[n:], rest_starts)
 
 
-def _paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_start, scale):
+def _paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
     """Decode sequences read head-major pools in place; prefills (and the rest) gather + SDPA.
 
     The engine puts a step's decodes first, so a step that also prefills splits in two.

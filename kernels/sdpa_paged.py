@@ -138,10 +138,10 @@ def paged_attention_sdpa(
     sm_scale: float | None = None,
 ) -> torch.Tensor:
     """(N, H, D) new tokens against paged K/V; returns (N, H, D)."""
-    block_size = k_cache.shape[1]
+    block_size, kv_bytes = k_cache.shape[1], k_cache.element_size()
     inputs = (block_tables, context_lens, query_start)
-    key = (block_size, *q.shape, k_cache.element_size())
-    plan = plans.get(inputs, key, lambda: _make_plan(inputs, block_size, q, k_cache.element_size()))
+    key = (block_size, *q.shape, kv_bytes)
+    plan = plans.get(inputs, key, lambda: _make_plan(inputs, block_size, q, kv_bytes))
     parts = [
         _attend_group(q, k_cache, v_cache, g, plan.keys_per_seq, sm_scale) for g in plan.groups
     ]

@@ -2,9 +2,10 @@
 
 PyTorch's default CPU matrix product (MKL) is slow on this project's AMD development box: for
 the 8-32 rows of a batched decode step it reaches about half of what oneDNN's kernels reach with
-a weight reordered once, ahead of time, into oneDNN's blocked layout. For one row both are bound
-by reading the weights and come out even for a layer's matrices; for the large vocabulary head
-`PackedLinear` stays faster with one row, so the head keeps both (`RowSwitch`).
+a weight reordered once, ahead of time, into oneDNN's blocked layout. For one row, bound by
+reading the weights, oneDNN and the per-thread slabs of `PackedLinear` come out about even for a
+layer's matrices; for the large vocabulary head the slabs stay faster with one row, so the head
+keeps both (`RowSwitch`).
 `python bench/cpu_parts.py` measures each against the other.
 
 The reordered weight is an opaque oneDNN tensor: it cannot be sliced, saved or trained. It exists

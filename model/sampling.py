@@ -134,43 +134,42 @@ class SampleRow:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """logit_bias, repetition/presence/frequency penalties and min_tokens, in place on (B, V)."""
+    """logit_bias, repetition/presence/frequency penalties and min_tokens on (B, V) logits.
+
+    The input is left as it was: the result is a copy, made at the first change, or the input
+    itself when no row has anything to apply.
+    """
     vocab = logits.shape[1]
+    copy: list[torch.Tensor] = []
+
+    def own() -> torch.Tensor:
+        if not copy:
+            copy.append(logits.clone())
+        return copy[0]
+
     for i, row in enumerate(rows):
         p = row.params
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-        if p.presence_penalty or p.frequency_penalty:
-            if row.output_ids:
-                counts = torch.bincount(torch.tensor(row.output_ids), minlength=vocab)[:vocab]
-                counts = counts.to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            own()[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(row.output_ids), minlength=vocab)[:vocab]
+            counts = counts.to(logits.dtype)
+            own()[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
             if len(seen):
-                vals = logits[i, seen]
+                out = own()
+                vals = out[i, seen]
                 penalty = p.repetition_penalty
-                logits[i, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+                out[i, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
         if len(row.output_ids) < p.min_tokens:
             banned = list(p.stop_token_ids)
             if row.eos_token is not None and not p.ignore_eos:
                 banned.append(row.eos_token)
             if banned:
-                logits[i, banned] = float("-inf")
-    return logits
-
-
-def _changes_logits(row: SampleRow) -> bool:
-    """Whether `apply_penalties` has anything to do for this row."""
-    p = row.params
-    return bool(
-        p.logit_bias
-        or p.presence_penalty
-        or p.frequency_penalty
-        or p.repetition_penalty != 1.0
-        or len(row.output_ids) < p.min_tokens
-    )
+                own()[i, banned] = float("-inf")
+    return copy[0] if copy else logits
 
 
 def _truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -198,9 +197,7 @@ def _truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
     """Pick one token per row of (B, V) logits according to each row's parameters."""
-    logits = logits.float().cpu()
-    if any(_changes_logits(r) for r in rows):
-        logits = apply_penalties(logits.clone(), rows)  # the caller's tensor stays as it was
+    logits = apply_penalties(logits.float().cpu(), rows)  # a copy only if a row changes it
     # log-probabilities as logit - logsumexp: no (B, V) log-softmax copy for a few values
     log_total = torch.logsumexp(logits, dim=-1)  # (B,)
     tokens = logits.argmax(dim=-1)  # greedy choice; replaced below for sampled rows
