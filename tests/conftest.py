@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare.txt"
+SHAKESPEARE = REPO / "data" / "shakespeare.txt"
 
 
 @pytest.fixture(scope="session")
