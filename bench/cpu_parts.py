@@ -171,8 +171,10 @@ def main() -> None:
     print(f"{'':40s} {'what it replaced':24s} {'before ms':>10s} {'after ms':>9s} {'speed-up':>9s}")
     for name, change, before, after in rows:
         print(f"{name:40s} {change:24s} {before:10.1f} {after:9.1f} {before / after:8.2f}x")
-    print("\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
-          "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu")
+    print(
+        "\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
+        "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu"
+    )
 
 
 if __name__ == "__main__":

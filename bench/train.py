@@ -67,10 +67,18 @@ def baseline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )).to(device)
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.block_size,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ).to(device)
     hf.train()
     optimizer = torch.optim.AdamW(hf.parameters(), lr=6e-4, weight_decay=0.1)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -164,8 +172,9 @@ def receive(conn, name: str):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--steps", type=int, default=3, help="steps per round and side")
     p.add_argument("--rounds", type=int, default=3)
@@ -209,9 +218,11 @@ def main() -> None:
     if not cpu:
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
-    print(f"\ndevice {args.device} ({gpu or f'{threads} threads'}), torch {torch.__version__}; "
-          f"config 6L/6H/384, block 256, batch {args.batch_size}, {n_params / 1e6:.1f}M params; "
-          f"median of {args.rounds} rounds x {args.steps} steps, each side in its own process\n")
+    print(
+        f"\ndevice {args.device} ({gpu or f'{threads} threads'}), torch {torch.__version__}; "
+        f"config 6L/6H/384, block 256, batch {args.batch_size}, {n_params / 1e6:.1f}M params; "
+        f"median of {args.rounds} rounds x {args.steps} steps, each side in its own process\n"
+    )
     print(f"{'':52s} {'tokens/s':>10s} {'ms/step':>9s} {'vs HF':>7s}" + ("  MFU" if peak else ""))
     for name, value, ratio in rows:
         line = f"{name:52s} {value:10.0f} {1000 * tokens_per_step / value:9.1f} {ratio:6.2f}x"

@@ -75,10 +75,16 @@ class SamplingParams:
             check(finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
         for tok, bias in self.logit_bias.items():
             check(isinstance(tok, int) and tok >= 0, "logit_bias", f"bad token id {tok!r}")
-            check(vocab_size is None or tok < vocab_size, "logit_bias", f"token id {tok} out of range")
-            check(finite(bias) and -100 <= bias <= 100, "logit_bias", "biases must be in [-100, 100]")
+            check(
+                vocab_size is None or tok < vocab_size, "logit_bias", f"token id {tok} out of range"
+            )
+            check(
+                finite(bias) and -100 <= bias <= 100, "logit_bias", "biases must be in [-100, 100]"
+            )
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_tokens", "must be >= 0")
+        check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_tokens", "must be >= 0"
+        )
         check(
             isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",

@@ -22,19 +22,52 @@ from model import ConfigError, ModelConfig
 from training.errors import TrainError
 from training.state import read_train_state
 
-ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "pos_encoding", "activation",
-             "norm_position")
+ARCH_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "pos_encoding",
+    "activation",
+    "norm_position",
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DEFAULTS: dict[str, Any] = {
-    "data": None, "out": None, "cache_dir": None, "max_steps": 5000, "device": "auto",
-    "dtype": "auto", "compile": False, "n_layer": 6, "n_head": 6, "n_embd": 384,
-    "block_size": 256, "dropout": 0.0, "pos_encoding": "learned", "activation": "gelu",
-    "norm_position": "pre", "batch_size": 8, "grad_accum": 1, "lr": 6e-4, "min_lr": None,
-    "warmup_steps": 100, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0,
-    "eval_interval": 250, "eval_iters": 20, "log_interval": 10, "sample_tokens": 48,
-    "seed": 1337, "val_fraction": 0.1, "init_from": None, "resume": False,
-    "save_dtype": "float32", "threads": None,
+    "data": None,
+    "out": None,
+    "cache_dir": None,
+    "max_steps": 5000,
+    "device": "auto",
+    "dtype": "auto",
+    "compile": False,
+    "n_layer": 6,
+    "n_head": 6,
+    "n_embd": 384,
+    "block_size": 256,
+    "dropout": 0.0,
+    "pos_encoding": "learned",
+    "activation": "gelu",
+    "norm_position": "pre",
+    "batch_size": 8,
+    "grad_accum": 1,
+    "lr": 6e-4,
+    "min_lr": None,
+    "warmup_steps": 100,
+    "weight_decay": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "grad_clip": 1.0,
+    "eval_interval": 250,
+    "eval_iters": 20,
+    "log_interval": 10,
+    "sample_tokens": 48,
+    "seed": 1337,
+    "val_fraction": 0.1,
+    "init_from": None,
+    "resume": False,
+    "save_dtype": "float32",
+    "threads": None,
 }
 
 
@@ -42,11 +75,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise TrainError(f"{message} (see --help)")
 
+
 def build_parser() -> argparse.ArgumentParser:
     # Every default is SUPPRESS so that we can tell which flags were given: with --resume the
     # flags not given come from the saved run, then from DEFAULTS.
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                argument_default=argparse.SUPPRESS)
+    p = _Parser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
     a = p.add_argument
     a("--data", help="UTF-8 text file or folder of .txt files")
     a("--out", help="output directory (checkpoints, metrics)")
@@ -78,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--resume", action="store_true", help="continue the run in --out")
     return p
 
+
 def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse argv; fill flags not given from the resumed run (with --resume) and DEFAULTS."""
     given = vars(build_parser().parse_args(argv))
@@ -97,8 +135,10 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     elif given.get("init_from"):
         clash = [k for k in ARCH_KEYS if k in given]
         if clash:
-            raise TrainError(f"--init-from takes the architecture from the checkpoint; drop "
-                             f"--{clash[0].replace('_', '-')}")
+            raise TrainError(
+                f"--init-from takes the architecture from the checkpoint; drop "
+                f"--{clash[0].replace('_', '-')}"
+            )
     settings.update(given)
     settings["resume"] = bool(given.get("resume"))
     args = argparse.Namespace(**settings)
@@ -107,11 +147,22 @@ def resolve_args(argv: list[str] | None) -> argparse.Namespace:
     check_args(args)
     return args
 
+
 def check_args(a: argparse.Namespace) -> None:
     if not a.data:
         raise TrainError("--data PATH is required")
-    for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters",
-                "log_interval", "n_layer", "n_head", "n_embd", "block_size"):
+    for key in (
+        "max_steps",
+        "batch_size",
+        "grad_accum",
+        "eval_interval",
+        "eval_iters",
+        "log_interval",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+    ):
         if getattr(a, key) <= 0:
             raise TrainError(f"--{key.replace('_', '-')} must be positive, got {getattr(a, key)}")
     if not a.lr > 0:
@@ -129,12 +180,20 @@ def check_args(a: argparse.Namespace) -> None:
         except ConfigError as exc:
             raise TrainError(str(exc)) from None
 
+
 def model_config(a: argparse.Namespace, vocab_size: int = 50257) -> ModelConfig:
     return ModelConfig(
-        vocab_size=vocab_size, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head,
-        n_embd=a.n_embd, dropout=a.dropout, pos_encoding=a.pos_encoding,
-        activation=a.activation, norm_position=a.norm_position,
+        vocab_size=vocab_size,
+        block_size=a.block_size,
+        n_layer=a.n_layer,
+        n_head=a.n_head,
+        n_embd=a.n_embd,
+        dropout=a.dropout,
+        pos_encoding=a.pos_encoding,
+        activation=a.activation,
+        norm_position=a.norm_position,
     )
+
 
 def arch(config: ModelConfig) -> dict[str, Any]:
     """The fields that make two configs the same model (dropout is a training choice)."""

@@ -30,8 +30,10 @@ def find_text_files(path: Path) -> list[Path]:
         raise TrainError(f"data path {path} is empty")
     return files
 
-def tokenize_cached(files: list[Path], cache_dir: Path, tokenizer: str = "gpt2",
-                    progress: bool = True) -> Path:
+
+def tokenize_cached(
+    files: list[Path], cache_dir: Path, tokenizer: str = "gpt2", progress: bool = True
+) -> Path:
     """Encode files once into a uint16 token file (documents separated by <|endoftext|>).
 
     The file name carries a hash of the tokenizer name and each file's path, size and mtime,
@@ -51,15 +53,20 @@ def tokenize_cached(files: list[Path], cache_dir: Path, tokenizer: str = "gpt2",
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     total = sum(f.stat().st_size for f in files)
     try:
-        with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True,
-                                           desc="tokenizing", disable=not progress) as bar:
+        with (
+            open(tmp, "wb") as out,
+            tqdm(
+                total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
+            ) as bar,
+        ):
             for i, f in enumerate(files):
                 if i > 0:
                     out.write(np.array([tok.eot_token], dtype=np.uint16).tobytes())
                 for texts in _text_chunks(f):
                     ids = tok.encode_batch(texts)  # tiktoken encodes a batch on several threads
-                    out.write(np.concatenate([np.asarray(x, dtype=np.uint16) for x in ids])
-                              .tobytes())
+                    out.write(
+                        np.concatenate([np.asarray(x, dtype=np.uint16) for x in ids]).tobytes()
+                    )
                     bar.update(sum(len(t.encode("utf-8")) for t in texts))
             out.flush()
             os.fsync(out.fileno())
@@ -67,6 +74,7 @@ def tokenize_cached(files: list[Path], cache_dir: Path, tokenizer: str = "gpt2",
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
 
 def _text_chunks(path: Path, piece_chars: int = 1 << 16, batch: int = 16):
     """Yield lists of ~64k-character pieces cut at line ends (BPE never merges across them)."""
@@ -85,19 +93,22 @@ def _text_chunks(path: Path, piece_chars: int = 1 << 16, batch: int = 16):
                         yield texts
                         texts = []
     except UnicodeDecodeError as exc:
-        raise TrainError(f"data file {path} is not UTF-8 text ({exc.reason} at byte "
-                         f"{exc.start})") from None
+        raise TrainError(
+            f"data file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     if piece:
         texts.append("".join(piece))
     if texts:
         yield texts
 
-def split_tokens(tokens: np.ndarray, block_size: int, val_fraction: float
-                 ) -> tuple[np.ndarray, np.ndarray | None]:
+
+def split_tokens(
+    tokens: np.ndarray, block_size: int, val_fraction: float
+) -> tuple[np.ndarray, np.ndarray | None]:
     """The last val_fraction of the tokens is the validation split; both must hold a block + 1."""
     n = len(tokens)
     n_val = int(n * val_fraction)
-    train, val = tokens[: n - n_val], (tokens[n - n_val:] if val_fraction > 0 else None)
+    train, val = tokens[: n - n_val], (tokens[n - n_val :] if val_fraction > 0 else None)
     if len(train) < block_size + 1 or (val is not None and len(val) < block_size + 1):
         need = math.ceil((block_size + 1) / min(1 - val_fraction, val_fraction or 1.0))
         raise TrainError(
@@ -106,11 +117,13 @@ def split_tokens(tokens: np.ndarray, block_size: int, val_fraction: float
         )
     return train, val
 
+
 class BatchSampler:
     """Random (B, T) windows from a token array, from its own seeded RNG (restorable)."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int,
-                 seed: list[int]) -> None:
+    def __init__(
+        self, tokens: np.ndarray, block_size: int, batch_size: int, seed: list[int]
+    ) -> None:
         self.tokens = tokens
         self.block_size = block_size
         self.batch_size = batch_size
@@ -119,7 +132,7 @@ class BatchSampler:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.block_size
         starts = self.rng.integers(0, len(self.tokens) - T, size=self.batch_size)
-        window = np.stack([self.tokens[s: s + T + 1] for s in starts]).astype(np.int64)
+        window = np.stack([self.tokens[s : s + T + 1] for s in starts]).astype(np.int64)
         window = torch.from_numpy(window)  # (B, T + 1)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
@@ -128,6 +141,7 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state
+
 
 def prepare_data(a: argparse.Namespace, info: Dist, out: Path) -> np.ndarray:
     """Tokenize on rank 0 (others wait), then memory-map the token file on every rank."""

@@ -72,8 +72,9 @@ def train(a: argparse.Namespace) -> None:
             sampler.load_state_dict(ranks[info.rank]["sampler"])
             set_rng_state(ranks[info.rank]["rng"])
         else:  # another world size: fresh per-rank streams, derived from the step
-            sampler = BatchSampler(train_tokens, model.config.block_size, a.batch_size,
-                                   [a.seed, info.rank, step])
+            sampler = BatchSampler(
+                train_tokens, model.config.block_size, a.batch_size, [a.seed, info.rank, step]
+            )
             torch.manual_seed(a.seed + info.rank + step)
     metrics = out / METRICS_FILE
     if info.master:
@@ -87,15 +88,19 @@ def train(a: argparse.Namespace) -> None:
     if a.compile:
         train_module.compile()
     if info.world > 1:
-        train_module = DDP(train_module, device_ids=[device.index] if device.type == "cuda"
-                           else None)
+        train_module = DDP(
+            train_module, device_ids=[device.index] if device.type == "cuda" else None
+        )
     tokens_per_step = a.batch_size * a.grad_accum * model.config.block_size * info.world
     if info.master:
-        print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.n_layer} layers, "
-              f"{model.config.n_head} heads, width {model.config.n_embd}, block "
-              f"{model.config.block_size}; data: {len(train_tokens):,} train / "
-              f"{0 if val_tokens is None else len(val_tokens):,} val tokens; {tokens_per_step:,} "
-              f"tokens/step on {info.world} x {device.type}", flush=True)
+        print(
+            f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.n_layer} layers, "
+            f"{model.config.n_head} heads, width {model.config.n_embd}, block "
+            f"{model.config.block_size}; data: {len(train_tokens):,} train / "
+            f"{0 if val_tokens is None else len(val_tokens):,} val tokens; {tokens_per_step:,} "
+            f"tokens/step on {info.world} x {device.type}",
+            flush=True,
+        )
     if step >= a.max_steps:
         if info.master:
             print(f"already at step {step} >= --max-steps {a.max_steps}; nothing to do")
@@ -112,49 +117,66 @@ def train(a: argparse.Namespace) -> None:
         save_served(model, out, DTYPES[a.save_dtype])
         if improved:
             save_served(model, out / BEST_DIR, DTYPES[a.save_dtype])
-        atomic_torch_save({
-            "version": 1, "step": step, "best_val": best_val, "args": vars(a),
-            "config": model.config.to_dict(),
-            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "ranks": rank_states,
-        }, out / STATE_FILE)
+        atomic_torch_save(
+            {
+                "version": 1,
+                "step": step,
+                "best_val": best_val,
+                "args": vars(a),
+                "config": model.config.to_dict(),
+                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "ranks": rank_states,
+            },
+            out / STATE_FILE,
+        )
 
-    bar = tqdm(total=a.max_steps, initial=step, unit="step", disable=not info.master,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=a.max_steps, initial=step, unit="step", disable=not info.master, dynamic_ncols=True
+    )
     bad_steps = 0
     while step < a.max_steps:
         t0 = time.perf_counter()
         lr = lr_at(step, a)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batches = [tuple(t.to(device, non_blocking=True) for t in sampler.next())
-                   for _ in range(a.grad_accum)]
-        loss, norm, applied = train_step(train_module, optimizer, batches, a.grad_clip,
-                                         autocast, scaler)
+        batches = [
+            tuple(t.to(device, non_blocking=True) for t in sampler.next())
+            for _ in range(a.grad_accum)
+        ]
+        loss, norm, applied = train_step(
+            train_module, optimizer, batches, a.grad_clip, autocast, scaler
+        )
         step += 1
         bad_steps = 0 if applied else bad_steps + 1
         if bad_steps >= MAX_BAD_STEPS:
             raise TrainError(
                 f"loss or gradient not finite for {bad_steps} consecutive steps (last at step "
                 f"{step}); weights were not updated by them; the last checkpoint is intact; "
-                f"try a lower --lr or --dtype float32", exit_code=1)
+                f"try a lower --lr or --dtype float32",
+                exit_code=1,
+            )
         if not applied:
             bar.write(f"step {step}: non-finite loss/gradient ({loss}, {norm}); step skipped")
         elapsed = time.perf_counter() - t0
         tok_s = tokens_per_step / max(elapsed, 1e-9)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
         bar.update(1)
-        row: dict[str, Any] = {"step": step, "train_loss": loss, "lr": lr,
-                               "tokens_per_s": round(tok_s, 1)}
+        row: dict[str, Any] = {
+            "step": step,
+            "train_loss": loss,
+            "lr": lr,
+            "tokens_per_s": round(tok_s, 1),
+        }
         if not applied:
             row["skipped"] = True
         is_eval = step % a.eval_interval == 0 or step == a.max_steps
         val_loss = None
         if is_eval and val_tokens is not None:
-            val_sampler = BatchSampler(val_tokens, model.config.block_size, a.batch_size,
-                                       [a.seed, info.rank, 1])
+            val_sampler = BatchSampler(
+                val_tokens, model.config.block_size, a.batch_size, [a.seed, info.rank, 1]
+            )
             val_loss = evaluate(model, val_sampler, a.eval_iters, device, autocast)
             row["val_loss"] = val_loss
         # The row goes to disk before the checkpoint: a kill in between resumes from the
@@ -165,13 +187,15 @@ def train(a: argparse.Namespace) -> None:
             checkpoint(val_loss)
             if info.master:
                 plot_losses(metrics, out / "loss.png")
-                text = sample_text(model, a.sample_tokens, device, a.seed) if a.sample_tokens \
-                    else ""
+                text = (
+                    sample_text(model, a.sample_tokens, device, a.seed) if a.sample_tokens else ""
+                )
                 msg = f"step {step}: train {loss:.4f}"
                 msg += f", val {val_loss:.4f}" if val_loss is not None else ""
                 bar.write(msg + (f" | sample: {text!r}" if text else ""))
     bar.close()
     if info.master:
-        print(f"done: {step} steps; checkpoint in {out}"
-              + (f", best val loss {best_val:.4f} in {out / BEST_DIR}" if best_val < math.inf
-                 else ""))
+        print(
+            f"done: {step} steps; checkpoint in {out}"
+            + (f", best val loss {best_val:.4f} in {out / BEST_DIR}" if best_val < math.inf else "")
+        )

@@ -12,6 +12,7 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
+
 def trim_metrics(path: Path, last_step: int) -> None:
     """Drop lines logged after the checkpoint we resume from (a killed run may have gone on)."""
     if not path.is_file():
@@ -26,6 +27,7 @@ def trim_metrics(path: Path, last_step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(r + "\n" for r in rows))
     os.replace(tmp, path)
+
 
 def plot_losses(metrics: Path, target: Path) -> None:
     """DIR/loss.png from metrics.jsonl; silently nothing when matplotlib is missing."""

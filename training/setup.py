@@ -29,6 +29,7 @@ class Dist:
     def master(self) -> bool:
         return self.rank == 0
 
+
 def setup_device(a: argparse.Namespace) -> tuple[torch.device, Dist]:
     """Resolve --device and, under torchrun (RANK/WORLD_SIZE set), join the process group."""
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -36,8 +37,11 @@ def setup_device(a: argparse.Namespace) -> tuple[torch.device, Dist]:
     use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     info = Dist()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        info = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                    int(os.environ.get("LOCAL_RANK", 0)))
+        info = Dist(
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
     if use_cuda:
         torch.cuda.set_device(info.local_rank)
         device = torch.device("cuda", info.local_rank)
@@ -47,8 +51,10 @@ def setup_device(a: argparse.Namespace) -> tuple[torch.device, Dist]:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return device, info
 
-def autocast_for(a: argparse.Namespace, device: torch.device
-                 ) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler | None]:
+
+def autocast_for(
+    a: argparse.Namespace, device: torch.device
+) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler | None]:
     name = a.dtype
     if name == "auto":
         if device.type == "cuda":
@@ -61,6 +67,7 @@ def autocast_for(a: argparse.Namespace, device: torch.device
     ctx = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
     return ctx, scaler
+
 
 def build_model(a: argparse.Namespace, vocab_size: int, state: dict[str, Any] | None) -> GPT:
     if state is not None and "config" in state:  # --resume: the saved model, dropout may change
@@ -79,6 +86,7 @@ def build_model(a: argparse.Namespace, vocab_size: int, state: dict[str, Any] | 
         setattr(a, key, getattr(model.config, key))
     return model
 
+
 def check_out_dir(out: Path, config: ModelConfig, a: argparse.Namespace) -> None:
     """Refuse to overwrite a different model in --out unless it is being fine-tuned from."""
     cfg = out / "config.json"
@@ -96,5 +104,6 @@ def check_out_dir(out: Path, config: ModelConfig, a: argparse.Namespace) -> None
             f"{getattr(config, k)}); use another --out, --resume it, or --init-from it"
         )
     if (out / STATE_FILE).is_file() and int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {out} holds a run; starting over (use --resume to continue it)",
-              file=sys.stderr)
+        print(
+            f"note: {out} holds a run; starting over (use --resume to continue it)", file=sys.stderr
+        )

@@ -27,6 +27,7 @@ def atomic_torch_save(obj: Any, target: Path) -> None:
     """torch.save through a temp file in the same directory, fsync, rename."""
     atomic_write(target, lambda tmp: torch.save(obj, tmp))
 
+
 def read_train_state(out: Path) -> dict[str, Any]:
     path = out / STATE_FILE
     if not path.is_file():
@@ -35,6 +36,7 @@ def read_train_state(out: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt files
         raise TrainError(f"cannot read {path}: {exc}".splitlines()[0]) from None
+
 
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
@@ -45,6 +47,7 @@ def rng_state() -> dict[str, Any]:
         "python": random.getstate(),
     }
 
+
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
@@ -52,6 +55,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     s = state["numpy"]
     np.random.set_state((s[0], np.array(s[1], dtype=np.uint32), *s[2:]))
     random.setstate(state["python"])
+
 
 def save_served(model: GPT, path: Path, dtype: torch.dtype) -> None:
     """The server's checkpoint (config.json + model.safetensors) in `dtype`."""
@@ -62,6 +66,7 @@ def save_served(model: GPT, path: Path, dtype: torch.dtype) -> None:
         copy = GPT(model.config)
     copy.load_state_dict(model.state_dict())
     save_checkpoint(copy.to(dtype), path)
+
 
 def gather_rank_states(sampler: BatchSampler) -> list[dict[str, Any]]:
     """Every rank's sampler and RNG state, on every rank (rank 0 saves them)."""

@@ -26,8 +26,8 @@ class LossModule(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model.loss(x, y)
 
-def make_optimizer(model: nn.Module, a: argparse.Namespace, device_type: str
-                   ) -> torch.optim.AdamW:
+
+def make_optimizer(model: nn.Module, a: argparse.Namespace, device_type: str) -> torch.optim.AdamW:
     """AdamW; weight decay only on matrices (>= 2-D), fused kernels where available."""
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     groups = [
@@ -35,6 +35,7 @@ def make_optimizer(model: nn.Module, a: argparse.Namespace, device_type: str
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, fused=True)
+
 
 def lr_at(step: int, a: argparse.Namespace) -> float:
     """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps."""
@@ -45,10 +46,15 @@ def lr_at(step: int, a: argparse.Namespace) -> float:
     ratio = (step - a.warmup_steps) / max(1, a.max_steps - a.warmup_steps)
     return a.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (a.lr - a.min_lr)
 
-def train_step(module: nn.Module, optimizer: torch.optim.Optimizer,
-               batches: list[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
-               autocast: contextlib.AbstractContextManager | None = None,
-               scaler: torch.amp.GradScaler | None = None) -> tuple[float, float, bool]:
+
+def train_step(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    grad_clip: float,
+    autocast: contextlib.AbstractContextManager | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[float, float, bool]:
     """One optimizer update over micro-batches (gradient accumulation).
 
     Under DDP gradients are all-reduced on the last micro-batch only, and the returned loss is
@@ -70,8 +76,11 @@ def train_step(module: nn.Module, optimizer: torch.optim.Optimizer,
         total /= dist.get_world_size()
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(),
-                                                grad_clip if grad_clip > 0 else math.inf))
+    norm = float(
+        torch.nn.utils.clip_grad_norm_(
+            module.parameters(), grad_clip if grad_clip > 0 else math.inf
+        )
+    )
     loss_value = total.item()
     # With a GradScaler, inf gradients are its business (it skips and lowers the scale).
     applied = math.isfinite(loss_value) and (scaler is not None or math.isfinite(norm))
@@ -84,9 +93,15 @@ def train_step(module: nn.Module, optimizer: torch.optim.Optimizer,
         scaler.update()
     return loss_value, norm, applied
 
+
 @torch.no_grad()
-def evaluate(model: GPT, sampler: BatchSampler, iters: int, device: torch.device,
-             autocast: contextlib.AbstractContextManager) -> float:
+def evaluate(
+    model: GPT,
+    sampler: BatchSampler,
+    iters: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager,
+) -> float:
     """Mean loss over `iters` batches (the sampler is fresh each time: same batches every eval)."""
     model.eval()
     losses = torch.zeros(iters)
@@ -101,6 +116,7 @@ def evaluate(model: GPT, sampler: BatchSampler, iters: int, device: torch.device
         value /= dist.get_world_size()
     return float(value)
 
+
 @torch.no_grad()
 def sample_text(model: GPT, n_tokens: int, device: torch.device, seed: int) -> str:
     """A short top-k sample from <|endoftext|>, from a private generator (no global RNG use)."""
@@ -109,7 +125,7 @@ def sample_text(model: GPT, n_tokens: int, device: torch.device, seed: int) -> s
     idx = torch.tensor([[tok.eot_token]], device=device)
     model.eval()
     for _ in range(n_tokens):
-        logits = model(idx[:, -model.config.block_size:])[:, -1, :].float() / 0.8  # (1, V)
+        logits = model(idx[:, -model.config.block_size :])[:, -1, :].float() / 0.8  # (1, V)
         top, where = torch.topk(logits, 40)
         choice = torch.multinomial(torch.softmax(top, dim=-1), 1, generator=gen)
         idx = torch.cat([idx, where.gather(-1, choice)], dim=1)

@@ -57,7 +57,9 @@ def paged_batch(
     q = torch.randn(int(query_start[-1]), n_head, head_dim, generator=gen)
     context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
     if head_major:
-        k_cache, v_cache = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_cache, v_cache))
+        k_cache, v_cache = (
+            t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_cache, v_cache)
+        )
     return tuple(
         t.to(device, dtype) if t.is_floating_point() else t.to(device)
         for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)

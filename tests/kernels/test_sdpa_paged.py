@@ -62,8 +62,9 @@ def test_layers_of_one_step_share_a_plan_and_a_changed_batch_gets_a_new_one():
 
 def test_inputs_made_in_inference_mode_work_without_a_cached_plan():
     with torch.inference_mode():  # such tensors have no version counter to key a plan on
-        args = paged_batch(**CASES["mixed"], page_size=5, n_head=2, head_dim=8,
-                           dtype=torch.float32, device="cpu")
+        args = paged_batch(
+            **CASES["mixed"], page_size=5, n_head=2, head_dim=8, dtype=torch.float32, device="cpu"
+        )
         first = paged_attention_sdpa(*args)
         again = paged_attention_sdpa(*args)
     ref = paged_attention_reference(*args)

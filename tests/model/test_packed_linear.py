@@ -46,8 +46,15 @@ def test_pack_linears_replaces_nested_linears(dtype):
 @pytest.mark.parametrize("tie, activation", [(True, "gelu"), (False, "gelu"), (True, "relu")])
 def test_packed_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie, activation):
     torch.manual_seed(0)
-    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=101,
-                      tie_embeddings=tie, activation=activation)
+    cfg = ModelConfig(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        vocab_size=101,
+        tie_embeddings=tie,
+        activation=activation,
+    )
     model = GPT(cfg).eval()
     idx = torch.randint(0, 101, (2, 9))
     with torch.no_grad():

@@ -30,8 +30,10 @@ def global_batches() -> list[list[torch.Tensor]]:
     """STEPS x MICRO_BATCHES windows of (GLOBAL_ROWS, T + 1) tokens, the same on every rank."""
     g = torch.Generator().manual_seed(1234)
     return [
-        [torch.randint(0, CONFIG.vocab_size, (GLOBAL_ROWS, CONFIG.block_size + 1), generator=g)
-         for _ in range(MICRO_BATCHES)]
+        [
+            torch.randint(0, CONFIG.vocab_size, (GLOBAL_ROWS, CONFIG.block_size + 1), generator=g)
+            for _ in range(MICRO_BATCHES)
+        ]
         for _ in range(STEPS)
     ]
 
@@ -43,7 +45,7 @@ def fresh_model() -> GPT:
 
 def rows(window: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     b = window.shape[0] // world
-    part = window[rank * b: (rank + 1) * b]
+    part = window[rank * b : (rank + 1) * b]
     return part[:, :-1].contiguous(), part[:, 1:].contiguous()
 
 
@@ -56,8 +58,9 @@ def run(module: torch.nn.Module, model: GPT, rank: int, world: int) -> dict[str,
     optimizer = make_optimizer(model, OPT, "cpu")
     losses, norms, first_grads = [], [], {}
     for step in global_batches():
-        loss, norm, applied = train_step(module, optimizer, [rows(w, rank, world) for w in step],
-                                         grad_clip=1.0)
+        loss, norm, applied = train_step(
+            module, optimizer, [rows(w, rank, world) for w in step], grad_clip=1.0
+        )
         assert applied
         losses.append(loss)
         norms.append(norm)

@@ -29,9 +29,26 @@ from training.state import BEST_DIR, STATE_FILE
 from training.step import LossModule, lr_at, make_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32",
-        "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "5", "--eval-iters", "4",
-        "--sample-tokens", "8"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "64",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "5",
+    "--eval-iters",
+    "4",
+    "--sample-tokens",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +79,25 @@ def run_main(argv: list[str], capsys: pytest.CaptureFixture | None = None) -> in
 @pytest.fixture(scope="module")
 def trained(data_slice: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    code = train.main(["--data", str(data_slice), "--out", str(out), "--cache-dir", str(cache_dir),
-                       *TINY, "--max-steps", "40", "--eval-interval", "20", "--log-interval", "5",
-                       "--save-dtype", "bfloat16"])
+    code = train.main(
+        [
+            "--data",
+            str(data_slice),
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(cache_dir),
+            *TINY,
+            "--max-steps",
+            "40",
+            "--eval-interval",
+            "20",
+            "--log-interval",
+            "5",
+            "--save-dtype",
+            "bfloat16",
+        ]
+    )
     assert code == 0
     return out
 
@@ -87,8 +120,12 @@ def test_output_loads_generates_and_matches_training_state(trained: Path) -> Non
     served = load_file(str(trained / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in served.values())  # --save-dtype bfloat16
     assert state["model"]["transformer.wte.weight"].dtype == torch.float32  # resume keeps fp32
-    torch.testing.assert_close(served["transformer.wte.weight"].float(),
-                               state["model"]["transformer.wte.weight"], rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(
+        served["transformer.wte.weight"].float(),
+        state["model"]["transformer.wte.weight"],
+        rtol=1e-2,
+        atol=1e-3,
+    )
     tok = get_tokenizer("gpt2")
     for path in (trained, trained / BEST_DIR):
         model = load_checkpoint(path, dtype=torch.float32)
@@ -100,15 +137,36 @@ def test_output_loads_generates_and_matches_training_state(trained: Path) -> Non
 
 
 def _popen(argv: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], cwd=REPO,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *argv],
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
-def test_sigkill_then_resume_gives_the_same_loss_curve(data_slice: Path, cache_dir: Path,
-                                                        tmp_path: Path) -> None:
-    args = ["--data", str(data_slice), "--cache-dir", str(cache_dir), *TINY, "--dropout", "0.1",
-            "--max-steps", "30", "--eval-interval", "10", "--log-interval", "1",
-            "--sample-tokens", "0", "--threads", "1"]
+def test_sigkill_then_resume_gives_the_same_loss_curve(
+    data_slice: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    args = [
+        "--data",
+        str(data_slice),
+        "--cache-dir",
+        str(cache_dir),
+        *TINY,
+        "--dropout",
+        "0.1",
+        "--max-steps",
+        "30",
+        "--eval-interval",
+        "10",
+        "--log-interval",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--threads",
+        "1",
+    ]
     full, killed = tmp_path / "full", tmp_path / "killed"
     ref = _popen([*args, "--out", str(full)], tmp_path / "full.log")
     victim = _popen([*args, "--out", str(killed)], tmp_path / "killed.log")
@@ -120,8 +178,12 @@ def test_sigkill_then_resume_gives_the_same_loss_curve(data_slice: Path, cache_d
     assert victim.wait() == -signal.SIGKILL
     killed_at = torch.load(killed / STATE_FILE, weights_only=True)["step"]
     assert killed_at < 30
-    resumed = subprocess.run([sys.executable, str(REPO / "train.py"), "--out", str(killed),
-                              "--resume"], cwd=REPO, capture_output=True, text=True)
+    resumed = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--out", str(killed), "--resume"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert ref.wait() == 0
     a, b = read_metrics(full), read_metrics(killed)
@@ -138,13 +200,39 @@ def test_sigkill_then_resume_gives_the_same_loss_curve(data_slice: Path, cache_d
         torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [["--pos-encoding", "sinusoidal"], ["--activation", "relu"],
-                                     ["--norm-position", "post"]], ids=["sinusoidal", "relu", "post-ln"])
-def test_seed_variants_train(variant: list[str], data_slice: Path, cache_dir: Path,
-                             tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code = run_main(["--data", str(data_slice), "--out", str(tmp_path), "--cache-dir",
-                     str(cache_dir), *TINY, *variant, "--max-steps", "20", "--eval-interval", "20",
-                     "--log-interval", "1", "--sample-tokens", "0"], capsys)
+@pytest.mark.parametrize(
+    "variant",
+    [["--pos-encoding", "sinusoidal"], ["--activation", "relu"], ["--norm-position", "post"]],
+    ids=["sinusoidal", "relu", "post-ln"],
+)
+def test_seed_variants_train(
+    variant: list[str],
+    data_slice: Path,
+    cache_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    code = run_main(
+        [
+            "--data",
+            str(data_slice),
+            "--out",
+            str(tmp_path),
+            "--cache-dir",
+            str(cache_dir),
+            *TINY,
+            *variant,
+            "--max-steps",
+            "20",
+            "--eval-interval",
+            "20",
+            "--log-interval",
+            "1",
+            "--sample-tokens",
+            "0",
+        ],
+        capsys,
+    )
     assert code == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path)]
     assert np.mean(losses[-5:]) < losses[0] - 1.5
@@ -158,9 +246,21 @@ def test_two_process_ddp_matches_one_process_on_the_global_batch(tmp_path: Path)
     out = tmp_path / "ddp.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(Path(ddp_worker.__file__)), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(Path(ddp_worker.__file__)),
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = torch.load(out, weights_only=True)
@@ -180,15 +280,38 @@ def test_two_process_ddp_matches_one_process_on_the_global_batch(tmp_path: Path)
     assert changed > 10  # the update did move the weights
 
 
-def test_torchrun_end_to_end_rank0_writes(data_slice: Path, cache_dir: Path,
-                                          tmp_path: Path) -> None:
+def test_torchrun_end_to_end_rank0_writes(
+    data_slice: Path, cache_dir: Path, tmp_path: Path
+) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(REPO / "train.py"), "--data", str(data_slice), "--out", str(tmp_path),
-         "--cache-dir", str(cache_dir), *TINY, "--max-steps", "4", "--eval-interval", "2",
-         "--log-interval", "1"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "train.py"),
+            "--data",
+            str(data_slice),
+            "--out",
+            str(tmp_path),
+            "--cache-dir",
+            str(cache_dir),
+            *TINY,
+            "--max-steps",
+            "4",
+            "--eval-interval",
+            "2",
+            "--log-interval",
+            "1",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]  # one writer
@@ -198,8 +321,9 @@ def test_torchrun_end_to_end_rank0_writes(data_slice: Path, cache_dir: Path,
     load_checkpoint(tmp_path)
 
 
-def test_tokenize_cache_is_reused_and_keyed_on_content(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenize_cache_is_reused_and_keyed_on_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "a.txt").write_text("Hello there.\nGeneral Kenobi!\n")
@@ -209,8 +333,11 @@ def test_tokenize_cache_is_reused_and_keyed_on_content(tmp_path: Path,
     assert [f.name for f in files] == ["a.txt", "b.txt"]
     path = tokenize_cached(files, tmp_path / "cache", progress=False)
     tok = get_tokenizer("gpt2")
-    expected = tok.encode("Hello there.\nGeneral Kenobi!\n") + [tok.eot_token] + tok.encode(
-        "Second document.\n")
+    expected = (
+        tok.encode("Hello there.\nGeneral Kenobi!\n")
+        + [tok.eot_token]
+        + tok.encode("Second document.\n")
+    )
     assert np.fromfile(path, dtype=np.uint16).tolist() == expected
 
     def boom(name: str) -> None:
@@ -224,8 +351,22 @@ def test_tokenize_cache_is_reused_and_keyed_on_content(tmp_path: Path,
 
 
 def test_lr_schedule_and_weight_decay_groups() -> None:
-    a = resolve_args(["--data", "x", "--out", "y", "--lr", "1e-3", "--min-lr", "1e-4",
-                            "--warmup-steps", "10", "--max-steps", "110"])
+    a = resolve_args(
+        [
+            "--data",
+            "x",
+            "--out",
+            "y",
+            "--lr",
+            "1e-3",
+            "--min-lr",
+            "1e-4",
+            "--warmup-steps",
+            "10",
+            "--max-steps",
+            "110",
+        ]
+    )
     assert lr_at(0, a) == pytest.approx(1e-4)
     assert lr_at(9, a) == pytest.approx(1e-3)
     assert lr_at(60, a) == pytest.approx(5.5e-4)
@@ -241,16 +382,31 @@ def test_lr_schedule_and_weight_decay_groups() -> None:
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-def test_non_finite_loss_skips_steps_then_stops(tmp_path: Path, data_slice: Path,
-                                                cache_dir: Path, capsys: pytest.CaptureFixture
-                                                ) -> None:
+def test_non_finite_loss_skips_steps_then_stops(
+    tmp_path: Path, data_slice: Path, cache_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     model = GPT(ModelConfig(block_size=32, n_layer=2, n_head=2, n_embd=64))
     with torch.no_grad():
         model.transformer.h[0].ln_1.weight.fill_(float("nan"))
     save_checkpoint(model, tmp_path / "nan")
-    code = train.main(["--data", str(data_slice), "--out", str(tmp_path / "out"), "--cache-dir",
-                       str(cache_dir), "--init-from", str(tmp_path / "nan"), "--max-steps", "50",
-                       "--eval-interval", "100", "--log-interval", "1"])
+    code = train.main(
+        [
+            "--data",
+            str(data_slice),
+            "--out",
+            str(tmp_path / "out"),
+            "--cache-dir",
+            str(cache_dir),
+            "--init-from",
+            str(tmp_path / "nan"),
+            "--max-steps",
+            "50",
+            "--eval-interval",
+            "100",
+            "--log-interval",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "error: loss or gradient not finite for 5 consecutive steps" in err
@@ -258,18 +414,33 @@ def test_non_finite_loss_skips_steps_then_stops(tmp_path: Path, data_slice: Path
     assert len(rows) == 4 and all(r["skipped"] for r in rows)
 
 
-def test_init_from_hugging_face_gpt2_then_resume(tmp_path: Path, data_slice: Path,
-                                                  cache_dir: Path, capsys: pytest.CaptureFixture
-                                                  ) -> None:
+def test_init_from_hugging_face_gpt2_then_resume(
+    tmp_path: Path, data_slice: Path, cache_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=64, n_layer=2, n_head=2))
     hf.save_pretrained(tmp_path / "hf")
     out = tmp_path / "out"
-    base = ["--data", str(data_slice), "--out", str(out), "--cache-dir", str(cache_dir),
-            "--batch-size", "4", "--eval-interval", "2", "--eval-iters", "2",
-            "--sample-tokens", "0", "--log-interval", "1"]
+    base = [
+        "--data",
+        str(data_slice),
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(cache_dir),
+        "--batch-size",
+        "4",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--log-interval",
+        "1",
+    ]
     assert run_main([*base, "--init-from", str(tmp_path / "hf"), "--max-steps", "2"], capsys) == 0
     state = torch.load(out / STATE_FILE, weights_only=True)
     assert state["args"]["n_embd"] == 64 and state["args"]["block_size"] == 32
@@ -286,8 +457,9 @@ def _error_line(err: str) -> str:
     return lines[0]
 
 
-def test_errors_are_one_line(tmp_path: Path, data_slice: Path, cache_dir: Path, trained: Path,
-                             capsys: pytest.CaptureFixture) -> None:
+def test_errors_are_one_line(
+    tmp_path: Path, data_slice: Path, cache_dir: Path, trained: Path, capsys: pytest.CaptureFixture
+) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     short = tmp_path / "short.txt"
@@ -299,17 +471,37 @@ def test_errors_are_one_line(tmp_path: Path, data_slice: Path, cache_dir: Path, 
         "is empty": ["--data", str(empty), "--out", str(tmp_path / "o")],
         "has no .txt files": ["--data", str(tmp_path / "nofiles"), "--out", str(tmp_path / "o")],
         "too few for --block-size 32": ["--data", str(short), "--out", str(tmp_path / "o")],
-        "holds a different model (n_layer=2, this run 3)":
-            ["--data", str(data_slice), "--out", str(trained), "--n-layer", "3"],
-        "divisible by n_head": ["--data", str(data_slice), "--out", str(tmp_path / "o"),
-                                "--n-head", "3"],
+        "holds a different model (n_layer=2, this run 3)": [
+            "--data",
+            str(data_slice),
+            "--out",
+            str(trained),
+            "--n-layer",
+            "3",
+        ],
+        "divisible by n_head": [
+            "--data",
+            str(data_slice),
+            "--out",
+            str(tmp_path / "o"),
+            "--n-head",
+            "3",
+        ],
         "unrecognized arguments: --bogus": ["--data", str(data_slice), "--out", "o", "--bogus"],
         "invalid int value": ["--data", str(data_slice), "--out", "o", "--n-layer", "two"],
         "cannot change it to 4": ["--out", str(trained), "--resume", "--n-layer", "4"],
         "nothing to resume": ["--out", str(tmp_path / "fresh"), "--resume"],
         "--lr must be positive": ["--data", str(data_slice), "--out", "o", "--lr", "0"],
-        "--init-from takes the architecture": ["--data", str(data_slice), "--out", "o",
-                                               "--init-from", str(trained), "--n-layer", "4"],
+        "--init-from takes the architecture": [
+            "--data",
+            str(data_slice),
+            "--out",
+            "o",
+            "--init-from",
+            str(trained),
+            "--n-layer",
+            "4",
+        ],
     }
     for expected, argv in cases.items():
         code = train.main([*base, *argv])
@@ -319,8 +511,18 @@ def test_errors_are_one_line(tmp_path: Path, data_slice: Path, cache_dir: Path, 
 
 
 def test_cli_error_has_no_traceback(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--data",
-                           str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--data",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: data path {tmp_path / 'nope'} does not exist"
