@@ -19,6 +19,7 @@ The two sides of a row run in alternation and each keeps its best, so the machin
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -34,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from model.cache import KVCache  # noqa: E402
+from model.cpu import optimize_for_cpu  # noqa: E402
+from model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
+from model.cpu.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
 from model.cpu_memory import retain_freed_memory  # noqa: E402
-from model.onednn_linear import OneDnnLinear  # noqa: E402
-from model.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
 Row = tuple[str, str, float, float]  # (part, what it replaced, before ms, after ms)
@@ -98,21 +100,20 @@ def attention_rows(batch: int) -> list[Row]:
     lens = torch.randint(150, 193, (batch,)).tolist()
     cache.prepare([(i, n - 1) for i, n in enumerate(lens)])
     step = cache.prepare([(i, 1) for i in range(batch)])  # a decode step
-    args = (step.block_tables, step.context_lens, step.query_start)
     q = torch.randn(batch, 12, 64)
     token_major = [(cache.k[i].contiguous(), cache.v[i].contiguous()) for i in range(12)]
     default_group = sdpa_paged.GROUP_BYTES
 
     def gather(one_group: bool) -> None:  # one step: the first layer builds the plan
         sdpa_paged.GROUP_BYTES = 1 << 40 if one_group else default_group
-        sdpa_paged.plans.clear()
+        meta = dataclasses.replace(step)  # a fresh step, no plan yet
         for k, v in token_major:
-            sdpa_paged.paged_attention_sdpa(q, k, v, *args)
+            sdpa_paged.paged_attention_sdpa(q, k, v, meta)
 
     def in_place() -> None:
-        paged_decode_cpu.plans.clear()
+        meta = dataclasses.replace(step)
         for i in range(12):
-            paged_decode_cpu.decode_attention_cpu(q, cache.k[i], cache.v[i], *args)
+            paged_decode_cpu.decode_attention_cpu(q, cache.k[i], cache.v[i], meta)
 
     label = f"decode attention, {batch} seq x 12 layers"
     rows = []
@@ -123,7 +124,6 @@ def attention_rows(batch: int) -> list[Row]:
         rows.append((label, "groups -> in place", *alternate(lambda: gather(False), in_place)))
     finally:
         sdpa_paged.GROUP_BYTES = default_group
-        sdpa_paged.plans.clear()
     return rows
 
 
@@ -133,11 +133,12 @@ def decode_step_ms(retain: bool) -> float:
     from model import GPT, ModelConfig, get_tokenizer
     from model.sampling import SamplingParams
 
-    if not retain:
-        engine_module.retain_freed_memory = lambda: False
+    if retain:
+        retain_freed_memory()
     torch.manual_seed(0)
+    model = optimize_for_cpu(GPT(ModelConfig()))
     engine = engine_module.Engine(
-        GPT(ModelConfig()), get_tokenizer(), engine_module.EngineConfig(max_num_seqs=32)
+        model, get_tokenizer(), engine_module.EngineConfig(max_num_seqs=32)
     )
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -164,7 +165,7 @@ def allocator_row() -> Row:
 
 
 def main() -> None:
-    retain_freed_memory()  # as the Engine does (the allocator row compares both in subprocesses)
+    retain_freed_memory()  # as the CLIs do (the allocator row compares both in subprocesses)
     rows = linear_rows() + attention_rows(1) + attention_rows(32) + [allocator_row()]
     print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}; best of 7 rounds, "
           "the two sides in turn (the engine step: median of 15, one process each)\n")  # fmt: skip

@@ -19,6 +19,8 @@ import torch
 
 import server.engine as engine_module
 from model import get_tokenizer, load_checkpoint
+from model.cpu import optimize_for_cpu
+from model.cpu_memory import retain_freed_memory
 from model.sampling import SamplingParams
 from server.engine import Engine, EngineConfig
 
@@ -138,7 +140,9 @@ def main() -> None:
     new = args.new_tokens
 
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
-    n_params = ours.num_params()  # before the Engine packs it (the CPU head is then kept twice)
+    n_params = ours.num_params()  # before the CPU layouts (which keep the head twice)
+    retain_freed_memory()
+    ours = optimize_for_cpu(ours)
     hf_prompt = torch.tensor([prompts[0]], device=dev)
     hf_s, hf_tokens = time_hf(hf, hf_prompt, new, dev)
     cfg = EngineConfig(max_num_seqs=32, block_size=16)

@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint  # noqa: E402
+from model.cpu import optimize_for_cpu  # noqa: E402
+from model.cpu_memory import retain_freed_memory  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from server.engine import Engine, EngineConfig  # noqa: E402
 
@@ -63,7 +65,8 @@ class Offline:
 
     def __init__(self, path: Path, max_tokens: int) -> None:
         self.tok = get_tokenizer()
-        self.engine = Engine(load_checkpoint(path), self.tok, EngineConfig(max_num_seqs=32))
+        model = optimize_for_cpu(load_checkpoint(path))  # as `python -m server` loads it
+        self.engine = Engine(model, self.tok, EngineConfig(max_num_seqs=32))
         self.ids = self.tok.encode(PROMPT)
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
         self.runs = 0
@@ -158,6 +161,7 @@ def main() -> None:
         torch.manual_seed(0)
         save_checkpoint(GPT(ModelConfig()), path)
     levels = [Level(c, max(4, c if c >= 8 else 4 * c)) for c in args.concurrency]
+    retain_freed_memory()  # as `python -m server` does
     offline = Offline(path, args.max_tokens)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,12 +1,12 @@
 """Attention kernels with one dispatch point.
 
 `flash_attention` (training, full causal forward) and `paged_attention` (inference over the paged
-KV cache) run as Triton kernels on CUDA and as PyTorch elsewhere: SDPA, and for paged attention
-`kernels.paged_decode_cpu` for the sequences that decode, over head-major pools (how `KVCache`
-stores them), and SDPA after a gather of each sequence's keys and values for the rest
-(`kernels.sdpa_paged`). `set_backend("triton")`
-forces the Triton kernels (on CPU that needs TRITON_INTERPRET=1 set before triton is imported);
-`set_backend("torch")` forces PyTorch.
+KV cache, described per step by `AttentionMetadata`) run as Triton kernels on CUDA and as PyTorch
+elsewhere: SDPA, and for paged attention `kernels.paged_decode_cpu` for the step's leading decodes,
+over head-major pools (how `KVCache` stores them), and SDPA after a gather of each sequence's keys
+and values for the rest (`kernels.sdpa_paged`). `set_backend("triton")` forces the Triton kernels
+(on CPU that needs TRITON_INTERPRET=1 set before triton is imported); `set_backend("torch")`
+forces PyTorch.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_decode_cpu import decode_attention_cpu
+from kernels.metadata import AttentionMetadata
+from kernels.paged_decode_cpu import decode_attention_cpu, is_head_major
 from kernels.reference import attention_reference, paged_attention_reference
 from kernels.sdpa_paged import paged_attention_sdpa
-from kernels.step_plan import StepPlanCache
 
 __all__ = [
+    "AttentionMetadata",
     "attention_reference",
     "flash_attention",
     "get_backend",
@@ -71,63 +72,32 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
+    meta: AttentionMetadata,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
-    """New tokens (N, H, D) against paged K/V; see `paged_attention_reference` for the contract."""
+    """New tokens (N, H, D) against one layer's paged K/V; see `paged_attention_reference`."""
     if _use_triton(q):
         from kernels.paged import triton_paged_attention
 
-        return triton_paged_attention(
-            q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale=sm_scale
-        )
+        return triton_paged_attention(q, k_cache, v_cache, meta, sm_scale)
     if q.device.type == "cpu":
-        return _paged_attention_cpu(
-            q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale
-        )
-    return paged_attention_sdpa(
-        q, k_cache, v_cache, block_tables, context_lens, query_start, sm_scale=sm_scale
-    )
-
-
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # block tables, lengths, query starts
-_cpu_splits: StepPlanCache[tuple[int, Batch, Batch] | None] = StepPlanCache()
-
-
-def _decode_prefix(
-    tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor
-) -> tuple[int, Batch, Batch] | None:
-    """(n, first n sequences, the rest) when the batch opens with n decodes and has more."""
-    one_new = (starts[1:] - starts[:-1]) == 1  # (B,)
-    n = int(one_new.int().cumprod(0).sum())  # leading sequences with one new token
-    if n in (0, len(one_new)):
-        return None
-    rest_starts = starts[n:] - starts[n]
-    return n, (tables[:n], lens[:n], starts[: n + 1]), (tables[n:], lens[n:], rest_starts)
+        return _paged_attention_cpu(q, k_cache, v_cache, meta, sm_scale)
+    return paged_attention_sdpa(q, k_cache, v_cache, meta, sm_scale)
 
 
 def _paged_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float | None,
 ) -> torch.Tensor:
-    """Decode sequences read head-major pools in place; prefills (and the rest) gather + SDPA.
-
-    The engine puts a step's decodes first, so a step that also prefills splits in two.
-    """
-    inputs = (block_tables, context_lens, query_start)
-    split = _cpu_splits.get(inputs, q.shape[0], lambda: _decode_prefix(*inputs))
-    if split is None:
-        out = decode_attention_cpu(q, k_cache, v_cache, *inputs, scale)
-        return paged_attention_sdpa(q, k_cache, v_cache, *inputs, scale) if out is None else out
-    n, decodes, rest = split
-    first = decode_attention_cpu(q[:n], k_cache, v_cache, *decodes, scale)
-    if first is None:  # pools the in-place path does not cover
-        return paged_attention_sdpa(q, k_cache, v_cache, *inputs, scale)
-    return torch.cat([first, paged_attention_sdpa(q[n:], k_cache, v_cache, *rest, scale)])
+    """The leading decodes read head-major pools in place; prefills (and the rest) gather + SDPA."""
+    n = meta.num_decodes
+    if n == 0 or not is_head_major(k_cache, v_cache):
+        return paged_attention_sdpa(q, k_cache, v_cache, meta, scale)
+    if n == meta.num_seqs:
+        return decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    decodes, rest = meta.plan("cpu_split", lambda: meta.split(n))
+    first = decode_attention_cpu(q[:n], k_cache, v_cache, decodes, scale)
+    return torch.cat([first, paged_attention_sdpa(q[n:], k_cache, v_cache, rest, scale)])

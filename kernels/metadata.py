@@ -6,14 +6,15 @@ layout alone (which blocks to read, masks, splits) builds it on the first layer 
 every later layer of the step reuses it; the plan dies with the step's metadata. Nothing is
 global, so two engines in one process, or two threads, never see each other's plans.
 
-The host-side integers (`num_decodes`, `max_query_len`, `max_context_len`) are known when the
-metadata is built, so no backend has to read a device tensor back to learn them.
+The lengths are also kept on the host (`seq_lens`, `query_lens`), so no backend has to read a
+device tensor back to learn how many decodes lead the batch or how long the longest context is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
@@ -30,8 +31,7 @@ class AttentionMetadata:
     block_tables: (B, max_blocks) int32 pool blocks of each sequence in order, padded with 0.
     context_lens: (B,) int32 tokens of each sequence including the new ones.
     query_start: (B + 1,) int32 offset of each sequence's first new token in the packed batch.
-    num_decodes: the leading sequences that have exactly one new token (decodes come first).
-    max_query_len, max_context_len: the largest of each over the batch.
+    seq_lens, query_lens: context_lens and the new tokens per sequence, on the host.
     """
 
     positions: torch.Tensor
@@ -39,10 +39,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     query_start: torch.Tensor
-    num_decodes: int
-    max_query_len: int
-    max_context_len: int
-    _plans: dict[str, Any] = field(default_factory=dict, repr=False)
+    seq_lens: list[int]
+    query_lens: list[int]
+    plans: dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # by name
 
     @property
     def num_seqs(self) -> int:
@@ -51,6 +50,19 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+    @cached_property
+    def num_decodes(self) -> int:
+        """The leading sequences that have exactly one new token (the scheduler puts decodes first)."""
+        return next((i for i, n in enumerate(self.query_lens) if n != 1), len(self.query_lens))
+
+    @cached_property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @cached_property
+    def max_context_len(self) -> int:
+        return max(self.seq_lens)
 
     @property
     def is_decode(self) -> bool:
@@ -64,23 +76,21 @@ class AttentionMetadata:
 
     def plan(self, name: str, build: Callable[[], Plan]) -> Plan:
         """The step's plan called `name`, built by the first caller and kept for the step."""
-        if name not in self._plans:
-            self._plans[name] = build()
-        return self._plans[name]
+        if name not in self.plans:
+            self.plans[name] = build()
+        return self.plans[name]
 
     def split(self, n: int) -> tuple[AttentionMetadata, AttentionMetadata]:
         """The first n sequences and the rest, each as metadata of its own (tokens re-based)."""
-        t = int(self.query_start[n])
+        t = sum(self.query_lens[:n])
         starts = self.query_start
         head = AttentionMetadata(
             self.positions[:t], self.slot_mapping[:t], self.block_tables[:n],
-            self.context_lens[:n], starts[: n + 1], min(n, self.num_decodes),
-            self.max_query_len, self.max_context_len,
+            self.context_lens[:n], starts[: n + 1], self.seq_lens[:n], self.query_lens[:n],
         )  # fmt: skip
         tail = AttentionMetadata(
             self.positions[t:], self.slot_mapping[t:], self.block_tables[n:],
-            self.context_lens[n:], starts[n:] - starts[n], max(0, self.num_decodes - n),
-            self.max_query_len, self.max_context_len,
+            self.context_lens[n:], starts[n:] - starts[n], self.seq_lens[n:], self.query_lens[n:],
         )  # fmt: skip
         return head, tail
 
@@ -109,7 +119,6 @@ class AttentionMetadata:
             starts.append(starts[-1] + n_new)
         width = max(len(t) for t in tables)
         padded = [list(t) + [0] * (width - len(t)) for t in tables]
-        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -120,7 +129,6 @@ class AttentionMetadata:
             block_tables=tensor(padded, torch.int32),
             context_lens=tensor(list(context_lens), torch.int32),
             query_start=tensor(starts, torch.int32),
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
+            seq_lens=list(context_lens),
+            query_lens=list(query_lens),
         )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.step_plan import StepPlanCache
+from kernels.metadata import AttentionMetadata
 
 
 @dataclass
@@ -37,21 +37,11 @@ class _Plan:
     stale: torch.Tensor | None  # (S,) rows of the (NB * H * bs, D) value tiles past sequences' ends
 
 
-plans: StepPlanCache[_Plan | None] = StepPlanCache()
-
-
-def _make_plan(
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
-    bs: int,
-    n_head: int,
-) -> _Plan | None:
+def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
+    block_tables = meta.block_tables
     batch = block_tables.shape[0]
-    if not bool(((query_start[1:] - query_start[:-1]) == 1).all()):
-        return None  # not a decode step
     device = block_tables.device
-    ctx = context_lens.long()  # (B,)
+    ctx = meta.context_lens.long()  # (B,)
     n_blocks = -(-ctx // bs)  # (B,)
     width = int(n_blocks.max())
     j = torch.arange(width, device=device)  # (nb,)
@@ -100,32 +90,28 @@ def _make_plan(
     )
 
 
+def is_head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether each (block, head) of both pools is one contiguous tile, as `KVCache` stores them."""
+    return k_cache.transpose(1, 2).is_contiguous() and v_cache.transpose(1, 2).is_contiguous()
+
+
 def decode_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
+    meta: AttentionMetadata,
     sm_scale: float | None = None,
-) -> torch.Tensor | None:
-    """(B, H, D) decode queries against head-major paged K/V; None if this is not such a step.
+) -> torch.Tensor:
+    """(B, H, D) decode queries against head-major paged K/V (`is_head_major`).
 
-    Same contract as `kernels.reference.paged_attention_reference`; None when some sequence has
-    other than one new token, or when the pools are not stored head-major.
+    Same contract as `kernels.reference.paged_attention_reference`, for a decode step: every
+    sequence has exactly one new token.
     """
+    if not meta.is_decode or not is_head_major(k_cache, v_cache):
+        raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
-    if not (k_tiles.is_contiguous() and v_tiles.is_contiguous()):
-        return None
-    n_pool, n_head, bs, head_dim = k_tiles.shape
-    inputs = (block_tables, context_lens, query_start)
-    plan = plans.get(
-        inputs,
-        (bs, n_pool, n_head, q.shape[0]),
-        lambda: _make_plan(block_tables, context_lens, query_start, bs, n_head),
-    )
-    if plan is None:
-        return None
+    n_head, bs, head_dim = k_tiles.shape[1:]
+    plan = meta.plan("cpu_decode", lambda: _make_plan(meta, bs, n_head))
     if plan.stale is not None:
         v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
     if plan.run is not None:

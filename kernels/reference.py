@@ -1,6 +1,7 @@
-"""Plain PyTorch attention: the oracle the Triton kernels are tested against, and the CPU path.
+"""Plain PyTorch attention: the oracle every attention path is tested against.
 
-Both functions compute in fp32 and return the input dtype.
+Written for clarity, not speed (the CPU paths are `kernels.sdpa_paged` and
+`kernels.paged_decode_cpu`). Both functions compute in fp32 and return the input dtype.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kernels.metadata import AttentionMetadata
 
 
 def attention_reference(
@@ -33,18 +36,14 @@ def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
+    meta: AttentionMetadata,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of packed new tokens against each sequence's paged keys and values.
 
     q: (N, H, D), the new tokens of B sequences one after another.
     k_cache, v_cache: (num_blocks, block_size, H, D), one layer's pools (new tokens already written).
-    block_tables: (B, max_blocks) int, block ids of each sequence in order.
-    context_lens: (B,) int, tokens in each sequence including the new ones.
-    query_start: (B + 1,) int, offsets of each sequence's queries in q.
+    meta: the step's block tables, context lengths and query offsets (`AttentionMetadata`).
     The causal mask is bottom-right aligned: query i of a sequence with L tokens and n new ones
     sits at position L - n + i and sees keys 0 .. L - n + i.
     Returns (N, H, D).
@@ -53,8 +52,9 @@ def paged_attention_reference(
     block_size = k_cache.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     device = q.device
+    block_tables, query_start = meta.block_tables, meta.query_start
     q_lens = (query_start[1:] - query_start[:-1]).long()  # (B,)
-    ctx = context_lens.long()  # (B,)
+    ctx = meta.context_lens.long()  # (B,)
     max_q = int(q_lens.max())
     n_blocks = max(1, -(-int(ctx.max()) // block_size))
     tables = block_tables[:, :n_blocks].long()  # (B, nb)

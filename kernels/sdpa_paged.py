@@ -10,7 +10,7 @@ copy from cache rather than memory: about 2x faster than all sequences at once f
 (`python bench/cpu_parts.py`).
 
 Everything that depends only on the batch layout (which blocks to copy, the masks, the stale slots)
-is a `_Plan`, built once per model step and reused by every layer (`kernels.step_plan`).
+is a `_Plan`, built by the first layer of a step and kept in the step's `AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.step_plan import StepPlanCache
+from kernels.metadata import AttentionMetadata
 
 GROUP_BYTES = 4 << 20  # gathered K + V of one group of sequences (fits in L2/L3 caches)
 
@@ -44,19 +44,14 @@ class _Plan:
     groups: list[_Group]
 
 
-plans: StepPlanCache[_Plan] = StepPlanCache()
-
-
-def _make_plan(
-    inputs: tuple[torch.Tensor, ...], block_size: int, q: torch.Tensor, kv_bytes: int
-) -> _Plan:
-    block_tables, context_lens, query_start = inputs
+def _make_plan(meta: AttentionMetadata, block_size: int, q: torch.Tensor, kv_bytes: int) -> _Plan:
+    block_tables, context_lens, query_start = meta.block_tables, meta.context_lens, meta.query_start
     n_tokens, n_head, head_dim = q.shape
     device = block_tables.device
     batch = block_tables.shape[0]
     ctx = context_lens.long()  # (B,)
     q_lens = (query_start[1:] - query_start[:-1]).long()  # (B,)
-    n_blocks = -(-int(ctx.max()) // block_size)
+    n_blocks = -(-meta.max_context_len // block_size)
     n_keys = n_blocks * block_size
     # whole blocks are copied (one memcpy each); table padding is pointed at the sequence's first
     # block, so only slots inside a sequence's own blocks can hold stale data
@@ -66,8 +61,8 @@ def _make_plan(
     kpos = torch.arange(n_keys, device=device)  # (Lk,)
     key_valid = kpos[None, :] < ctx[:, None]  # (B, Lk)
 
-    decode = n_tokens == batch  # one new token per sequence: no padding of the queries
-    max_q = 1 if decode else int(q_lens.max())
+    decode = meta.is_decode  # one new token per sequence: no padding of the queries
+    max_q = meta.max_query_len
     qi = torch.arange(max_q, device=device)  # (Lq,)
     q_index = out_rows = None
     if not decode:
@@ -132,16 +127,12 @@ def paged_attention_sdpa(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
+    meta: AttentionMetadata,
     sm_scale: float | None = None,
 ) -> torch.Tensor:
     """(N, H, D) new tokens against paged K/V; returns (N, H, D)."""
     block_size, kv_bytes = k_cache.shape[1], k_cache.element_size()
-    inputs = (block_tables, context_lens, query_start)
-    key = (block_size, *q.shape, kv_bytes)
-    plan = plans.get(inputs, key, lambda: _make_plan(inputs, block_size, q, kv_bytes))
+    plan = meta.plan("sdpa_gather", lambda: _make_plan(meta, block_size, q, kv_bytes))
     parts = [
         _attend_group(q, k_cache, v_cache, g, plan.keys_per_seq, sm_scale) for g in plan.groups
     ]

@@ -1,6 +1,6 @@
 """The network and everything that turns logits into tokens."""
 
-from model.cache import BlockAllocator, CacheBatch, KVCache, OutOfBlocks
+from model.cache import BlockAllocator, KVCache, OutOfBlocks
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from model.config import ConfigError, ModelConfig
 from model.gpt import GPT
@@ -9,7 +9,6 @@ from model.tokenizer import Tokenizer, get_tokenizer
 __all__ = [
     "GPT",
     "BlockAllocator",
-    "CacheBatch",
     "CheckpointError",
     "ConfigError",
     "KVCache",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
+
+from kernels.metadata import AttentionMetadata
 
 
 class OutOfBlocks(RuntimeError):
@@ -54,29 +55,6 @@ class BlockAllocator:
                 raise ValueError(f"block {b} is not allocated")
             self._used.remove(b)
             heapq.heappush(self._free, self._rank[b])
-
-
-@dataclass
-class CacheBatch:
-    """Where the new tokens of a batch of sequences go and what they attend to.
-
-    positions: (N,) absolute position of each new token.
-    slot_mapping: (N,) flat pool slot (block * block_size + offset) each new token is written to.
-    block_tables: (B, max_blocks) int32, padded with 0.
-    context_lens: (B,) int32, tokens per sequence including the new ones.
-    query_start: (B + 1,) int32, offsets of each sequence's new tokens in the packed batch.
-    """
-
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_start: torch.Tensor
-
-    @property
-    def last_token_index(self) -> torch.Tensor:
-        """(B,) index of each sequence's last new token in the packed batch."""
-        return self.query_start[1:].long() - 1
 
 
 class KVCache:
@@ -155,38 +133,24 @@ class KVCache:
         self._tables[dst] = blocks
         self._lens[dst] = self._lens.get(src, 0)
 
-    def prepare(self, batch: Sequence[tuple[int, int]]) -> CacheBatch:
-        """Reserve room for (seq_id, new_tokens) pairs and describe where they go.
+    def prepare(self, batch: Sequence[tuple[int, int]]) -> AttentionMetadata:
+        """Reserve room for (seq_id, new_tokens) pairs and describe the step to attention.
 
         All or nothing: raises OutOfBlocks with the cache unchanged if the pool is too small.
         """
         needed = sum(self.blocks_needed(s, n) for s, n in batch)
         if needed > self.allocator.num_free:
             raise OutOfBlocks(f"batch needs {needed} KV blocks, {self.allocator.num_free} free")
-        positions: list[int] = []
-        slots: list[int] = []
-        lens: list[int] = []
-        starts = [0]
-        bs = self.block_size
         for seq_id, n_new in batch:
             table = self._tables.setdefault(seq_id, [])
-            start = self._lens.get(seq_id, 0)
             table.extend(self.allocator.allocate(self.blocks_needed(seq_id, n_new)))
-            self._lens[seq_id] = start + n_new
-            for p in range(start, start + n_new):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            lens.append(start + n_new)
-            starts.append(starts[-1] + n_new)
-        width = max(len(self._tables[s]) for s, _ in batch)
-        tables = [self._tables[s] + [0] * (width - len(self._tables[s])) for s, _ in batch]
-        dev = self.device
-        return CacheBatch(
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
-            context_lens=torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            self._lens[seq_id] = self._lens.get(seq_id, 0) + n_new
+        return AttentionMetadata.build(
+            [self._tables[s] for s, _ in batch],
+            [self._lens[s] for s, _ in batch],
+            [n for _, n in batch],
+            self.block_size,
+            self.device,
         )
 
     def write(

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import ConfigError, ModelConfig
+from model.cpu import is_optimized_for_cpu
 from model.gpt import GPT
 
 CONFIG_FILE = "config.json"
@@ -39,10 +40,10 @@ def save_checkpoint(
     model: GPT, path: str | Path, extra_files: dict[str, str] | None = None
 ) -> None:
     """Write config.json and model.safetensors into directory `path`, each atomically."""
-    if model.is_packed_for_inference:
+    if is_optimized_for_cpu(model):
         raise CheckpointError(
-            "this model was packed for CPU inference (an Engine was built on it); save the model "
-            "as loaded or trained instead"
+            "this model was optimized for CPU inference (model.cpu.optimize_for_cpu); save the "
+            "model as loaded or trained instead"
         )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,11 @@
 Three ways to run it:
 - `model(idx)`: full causal forward, logits (B, T, V); no cache.
 - `model.loss(idx, targets)`: the training loss (cross-entropy, ignore_index -1).
-- `model.forward_cached(tokens, cache, batch)`: inference over the paged KV cache for a packed batch
-  of sequences, each with one (decode) or many (prefill) new tokens.
+- `model.forward_cached(tokens, cache, meta)`: inference over the paged KV cache for a packed batch
+  of sequences, each with one (decode) or many (prefill) new tokens, described by the step's
+  `AttentionMetadata`.
+
+CPU inference layouts are applied from outside, to a loaded model (`model.cpu.optimize_for_cpu`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import flash_attention, paged_attention
-from model.cache import CacheBatch, KVCache
+from kernels.metadata import AttentionMetadata
+from model.cache import KVCache
 from model.config import ModelConfig
-from model.onednn_linear import OneDnnLinear
-from model.packed_linear import PackedEmbedding, pack_head, pack_linears
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -53,22 +55,15 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def forward_cached(
-        self, x: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch
+        self, x: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
         N, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=1)
         q = q.view(N, self.n_head, self.head_dim)  # (N, nh, hs)
         k = k.view(N, self.n_head, self.head_dim)
         v = v.view(N, self.n_head, self.head_dim)
-        cache.write(layer, batch.slot_mapping, k, v)
-        y = paged_attention(
-            q,
-            cache.k[layer],
-            cache.v[layer],
-            batch.block_tables,
-            batch.context_lens,
-            batch.query_start,
-        )  # (N, nh, hs)
+        cache.write(layer, meta.slot_mapping, k, v)
+        y = paged_attention(q, cache.k[layer], cache.v[layer], meta)  # (N, nh, hs)
         return self.c_proj(y.reshape(N, C))
 
 
@@ -79,20 +74,11 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.relu = config.activation == "relu"
         self.dropout = nn.Dropout(config.dropout)
-        self.fused_activation = False  # c_fc applies the activation itself (CPU inference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
-        if not self.fused_activation:
-            h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
+        h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
-
-    def fuse_activation(self) -> None:
-        """For CPU inference: c_fc becomes a oneDNN linear that applies the activation too."""
-        if isinstance(self.c_fc, nn.Linear) and OneDnnLinear.supports(self.c_fc.weight.dtype):
-            activation = "relu" if self.relu else "gelu_tanh"
-            self.c_fc = OneDnnLinear(self.c_fc, activation=activation)
-            self.fused_activation = True
 
 
 class Block(nn.Module):
@@ -108,9 +94,9 @@ class Block(nn.Module):
         return self._residual(x, self.attn)
 
     def forward_cached(
-        self, x: torch.Tensor, cache: KVCache, layer: int, batch: CacheBatch
+        self, x: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
-        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, batch))
+        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, meta))
 
     def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
         if self.pre_norm:
@@ -200,7 +186,7 @@ class GPT(nn.Module):
         self,
         tokens: torch.Tensor,
         cache: KVCache,
-        batch: CacheBatch,
+        meta: AttentionMetadata,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run packed new tokens (N,) through the model, reading and extending the paged cache.
@@ -208,35 +194,11 @@ class GPT(nn.Module):
         logits_index selects which of the N positions get logits (default: each sequence's last
         new token). Returns (len(logits_index), vocab_size).
         """
-        x = self._embed(tokens, batch.positions)  # (N, C)
+        x = self._embed(tokens, meta.positions)  # (N, C)
         for layer, block in enumerate(self.transformer.h):
-            x = block.forward_cached(x, cache, layer, batch)
-        index = batch.last_token_index if logits_index is None else logits_index
+            x = block.forward_cached(x, cache, layer, meta)
+        index = meta.last_token_index if logits_index is None else logits_index
         return self._head(x[index])  # (M, V)
-
-    @property
-    def is_packed_for_inference(self) -> bool:
-        return getattr(self, "_packed_for_inference", False)
-
-    @torch.no_grad()
-    def pack_for_cpu_inference(self, threads: int | None = None) -> None:
-        """Swap every Linear for a packed one (same function) so decode runs fast on CPU threads.
-
-        See `model.packed_linear.pack_linear`. For inference only: the packed weights take no
-        gradients, and the parameter names and layouts change. A tied embedding then reads its
-        rows from the head's slabs, so the table is not stored again for it.
-        """
-        if self.is_packed_for_inference:
-            return  # already packed (several engines may share one model)
-        threads = threads or torch.get_num_threads()
-        tied = self.lm_head.weight is self.transformer.wte.weight
-        self.lm_head, slabs = pack_head(self.lm_head, threads)
-        for block in self.transformer.h:
-            block.mlp.fuse_activation()
-        pack_linears(self, threads)
-        if tied:
-            self.transformer.wte = PackedEmbedding(slabs)
-        self._packed_for_inference = True
 
     def make_cache(
         self,

@@ -4,6 +4,7 @@ The sampler turns a batch of logits into one token per row, with the token's log
 alternatives. Logprobs are those of the model's distribution after logit_bias and penalties, before
 temperature and truncation (top-k/top-p/min-p), so they describe the model, not the dice.
 Each seeded row draws its noise from its own generator: its tokens do not depend on its batch.
+The sampler runs on the logits' device and reads its results back to the host once per call.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     The input is left as it was: the result is a copy, made at the first change, or the input
     itself when no row has anything to apply.
     """
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     copy: list[torch.Tensor] = []
 
     def own() -> torch.Tensor:
@@ -156,14 +157,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     for i, row in enumerate(rows):
         p = row.params
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-            own()[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+            own()[i, ids] += bias
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids), minlength=vocab)[:vocab]
+            out_ids = torch.tensor(row.output_ids, device=device)
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab]
             counts = counts.to(logits.dtype)
             own()[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            seen = sorted(set(row.prompt_ids) | set(row.output_ids))
+            seen = torch.tensor(seen, dtype=torch.long, device=device)
             if len(seen):
                 out = own()
                 vals = out[i, seen]
@@ -183,57 +187,75 @@ def _truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
+    device = scaled.device
     if any(min_p):
         probs = torch.softmax(scaled, dim=-1)
-        floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(-1, keepdim=True).values
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
+        floor = floor * probs.max(-1, keepdim=True).values
         scaled.masked_fill_(probs < floor, float("-inf"))
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return scaled
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (B, V)
     vocab = scaled.shape[1]
-    rank = torch.arange(vocab)[None, :]
-    k = torch.tensor([k if k else vocab for k in top_k])[:, None]
+    rank = torch.arange(vocab, device=device)[None, :]
+    k = torch.tensor([k if k else vocab for k in top_k], device=device)[:, None]
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(-1) - probs  # probability of strictly better tokens
-    drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+    drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None]
     drop[:, 0] = False  # the best token always survives
     return scaled.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
     """Pick one token per row of (B, V) logits according to each row's parameters."""
-    logits = apply_penalties(logits.float().cpu(), rows)  # a copy only if a row changes it
+    device = logits.device
+    logits = apply_penalties(logits.float(), rows)  # a copy only if a row changes it
     # log-probabilities as logit - logsumexp: no (B, V) log-softmax copy for a few values
     log_total = torch.logsumexp(logits, dim=-1)  # (B,)
     tokens = logits.argmax(dim=-1)  # greedy choice; replaced below for sampled rows
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled)
-        temps = torch.tensor([rows[i].params.temperature for i in sampled])[:, None]
+        idx = torch.tensor(sampled, device=device)
+        temps = [rows[i].params.temperature for i in sampled]
+        temps = torch.tensor(temps, device=device)[:, None]
         scaled = _truncate(logits[idx] / temps, [rows[i] for i in sampled])
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
         # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row has its own E
-        noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(sampled) if rows[i].generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
+        noise = torch.empty_like(probs).exponential_()
         for j, i in enumerate(sampled):
-            if rows[i].generator is not None:
-                noise[j].exponential_(generator=rows[i].generator)
+            if rows[i].generator is not None:  # a seeded row: its own CPU generator's draw
+                draw = torch.empty(probs.shape[1]).exponential_(generator=rows[i].generator)
+                noise[j] = draw.to(device, non_blocking=True)
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_total
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_total  # (B,)
     n_top = max((r.params.logprobs or 0) for r in rows)
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_lp: list[list[float]] = [[] for _ in rows]
-    if n_top:
-        values, ids = logits.topk(n_top, dim=-1)
-        values = values - log_total[:, None]
-        for i, r in enumerate(rows):
-            n = r.params.logprobs or 0
-            top_ids[i] = ids[i, :n].tolist()
-            top_lp[i] = values[i, :n].tolist()
-    return SampleOutput(tokens.tolist(), chosen.tolist(), top_ids, top_lp)
+    values, ids = logits.topk(n_top, dim=-1)  # (B, n_top)
+    values = values - log_total[:, None]
+    tokens, chosen, ids, values = _to_host(tokens, chosen, ids, values)
+    wanted = [r.params.logprobs or 0 for r in rows]
+    top_ids = [row[:n] for row, n in zip(ids, wanted)]
+    top_lp = [row[:n] for row, n in zip(values, wanted)]
+    return SampleOutput(tokens, chosen, top_ids, top_lp)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """Each tensor as (nested) Python lists, read back from the device in one transfer.
+
+    Packed as float64, which holds token ids (< 2**53) exactly.
+    """
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        part = flat[at : at + t.numel()]
+        at += t.numel()
+        if t.dim() == 2:
+            width = t.shape[1]
+            part = [part[r * width : (r + 1) * width] for r in range(t.shape[0])]
+        if not t.is_floating_point():
+            part = [[int(v) for v in p] for p in part] if t.dim() == 2 else [int(v) for v in part]
+        out.append(part)
+    return out
 
 
 def prompt_logprobs(

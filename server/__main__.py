@@ -13,6 +13,7 @@ import sys
 
 import uvicorn
 
+from model.cpu_memory import retain_freed_memory
 from server.app import create_app
 from server.settings import SettingsError, settings_from_args
 from server.state import ModelLoadError, load_model_in_thread
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    retain_freed_memory()  # a process-wide malloc setting: the entry point's to make
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from model.cache import KVCache, OutOfBlocks
-from model.cpu_memory import retain_freed_memory
 from model.gpt import GPT
 from model.sampling import SampleRow, SamplingParams, prompt_logprobs, sample
 from model.tokenizer import Tokenizer
@@ -53,23 +52,29 @@ class _Request:
     prompt_lp_sent: bool = False
 
 
+@dataclass
+class _Chunk:
+    """One sequence's part of a step: its new tokens and the logits rows they get."""
+
+    seq: Sequence
+    num_tokens: int
+    first_row: int  # its first row in the step's logits
+    num_rows: int = 0
+    completes: bool = False  # the chunk reaches the sequence's last known token: sample after it
+    scores: bool = False  # every position gets logits, for the prompt's logprobs
+
+
 class Engine:
     """Continuous batching over one model and its paged KV cache; `step()` runs one batch.
 
-    On a CPU the Engine packs the model's weights for inference in place
-    (`GPT.pack_for_cpu_inference`): the model keeps computing the same function, but its
-    parameter layout changes and it can no longer be trained or saved. The output head is then
-    held twice (slabs for one row, which a tied embedding also reads, and oneDNN's layout for
-    more), as much memory as an untied model's embedding: 154 MB for GPT-2 124M in fp32.
+    The Engine runs the model as it is given (it only switches it to eval mode). On a CPU, give it
+    a model passed through `model.cpu.optimize_for_cpu` for fast decoding, as the CLIs do.
     """
 
     def __init__(
         self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None
     ) -> None:
         self.model = model.eval()
-        if next(model.parameters()).device.type == "cpu":
-            retain_freed_memory()
-            model.pack_for_cpu_inference()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         mc = model.config
@@ -89,6 +94,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_failed_steps = 0
+        self.num_preemptions = 0  # sequences requeued for lack of KV blocks (server /metrics)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -162,6 +168,12 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Run one batched forward and return the events it produced."""
         batch = self.scheduler.schedule()
+        if batch.preempted:  # counted for the server's /metrics, and logged
+            self.num_preemptions += len(batch.preempted)
+            log.info(
+                "preempted %d sequence(s) for lack of KV cache blocks: %s",
+                len(batch.preempted), ", ".join(f"{s.request_id}/{s.index}" for s in batch.preempted),
+            )  # fmt: skip
         if not batch.items:
             return self._fail(list(self.scheduler.running), "the request does not fit the KV cache")
         try:
@@ -172,42 +184,48 @@ class Engine:
             return self._fail([s for s, _ in batch.items], f"model step failed: {exc}")
 
     def _run(self, items: list[tuple[Sequence, int]]) -> list[TokenEvent]:
-        cache_batch = self.cache.prepare([(s.seq_id, n) for s, n in items])
+        meta = self.cache.prepare([(s.seq_id, n) for s, n in items])
         tokens: list[int] = []
         rows: list[int] = []  # packed positions that get logits
-        plan = []  # (seq, first logits row, number of rows, samples?)
+        work: list[_Chunk] = []
         for seq, n in items:
             req = self._requests[seq.request_id]
             start = len(tokens)
             tokens.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
-            completes = seq.num_cached + n == len(seq.token_ids)
-            scoring = req.params.prompt_logprobs is not None and not req.prompt_lp_sent
-            scoring = scoring and seq.index == 0 and seq.num_generated == 0
-            first = len(rows)
-            if scoring:
+            chunk = _Chunk(seq, n, first_row=len(rows))
+            chunk.completes = seq.num_cached + n == len(seq.token_ids)
+            chunk.scores = (
+                req.params.prompt_logprobs is not None
+                and not req.prompt_lp_sent
+                and seq.index == 0
+                and seq.num_generated == 0
+            )
+            if chunk.scores:
                 rows.extend(range(start, start + n))
-            elif completes:
+            elif chunk.completes:
                 rows.append(start + n - 1)
-            plan.append((seq, n, first, len(rows) - first, completes, scoring))
+            chunk.num_rows = len(rows) - chunk.first_row
+            work.append(chunk)
         with torch.inference_mode():
             logits = self.model.forward_cached(
                 torch.tensor(tokens, device=self.device),
                 self.cache,
-                cache_batch,
+                meta,
                 logits_index=torch.tensor(rows, device=self.device),
-            )  # (len(rows), V)
-        logits = logits.float().cpu()
+            )  # (len(rows), V), on the model's device
 
         events: list[TokenEvent] = []
         to_sample: list[tuple[Sequence, int]] = []  # (sequence, logits row)
-        for seq, n, first, count, completes, scoring in plan:
+        for chunk in work:
+            seq = chunk.seq
             req = self._requests[seq.request_id]
-            if scoring:
-                self._score_prompt(req, seq.num_cached, logits[first : first + count])
-            seq.num_cached += n
-            if not completes:
+            if chunk.scores:
+                end = chunk.first_row + chunk.num_rows
+                self._score_prompt(req, seq.num_cached, logits[chunk.first_row : end])
+            seq.num_cached += chunk.num_tokens
+            if not chunk.completes:
                 continue
-            last = first + count - 1
+            last = chunk.first_row + chunk.num_rows - 1
             if req.params.max_tokens == 0:
                 events.extend(self._finish_unsampled(req))
                 continue
@@ -225,7 +243,7 @@ class Engine:
             req.prompt_lp = [None]
         n = min(len(logits), len(req.prompt_ids) - 1 - start)
         if n > 0:
-            nxt = torch.tensor(req.prompt_ids[start + 1 : start + 1 + n])
+            nxt = torch.tensor(req.prompt_ids[start + 1 : start + 1 + n], device=logits.device)
             chosen, top_ids, top_lp = prompt_logprobs(logits[:n], nxt, req.params.prompt_logprobs)
             for tok, lp, ids, lps in zip(nxt.tolist(), chosen, top_ids, top_lp):
                 req.prompt_lp.append(TokenLogprob(tok, lp, list(zip(ids, lps))))
@@ -250,7 +268,7 @@ class Engine:
             SampleRow(s.params, s.token_ids[: s.num_prompt], s.output_ids, s.generator, self.eos)
             for s, _ in work
         ]
-        out = sample(logits[[r for _, r in work]], rows)
+        out = sample(logits[torch.tensor([r for _, r in work], device=logits.device)], rows)
         events = []
         for i, (seq, _) in enumerate(work):
             req = self._requests[seq.request_id]

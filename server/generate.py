@@ -11,6 +11,8 @@ import sys
 import torch
 
 from model import CheckpointError, get_tokenizer, load_checkpoint
+from model.cpu import optimize_for_cpu
+from model.cpu_memory import retain_freed_memory
 from model.sampling import SamplingError, SamplingParams
 from server import DEFAULT_MODEL_DIR
 from server.engine import Engine, EngineConfig, RequestError
@@ -44,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop, n=args.n,
     )  # fmt: skip
     try:
+        retain_freed_memory()
         model = load_checkpoint(args.model, device=args.device, dtype=torch.float32)
+        model = optimize_for_cpu(model)
         tokenizer = get_tokenizer(model.config.tokenizer)
         engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
         prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_token]

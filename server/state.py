@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, Tokenizer, get_tokenizer, load_checkpoint
+from model.cpu import optimize_for_cpu
 from server.async_engine import AsyncEngine
 from server.chat import ChatTemplate
 from server.engine import Engine, EngineConfig
@@ -79,7 +80,7 @@ def load_model(settings: Settings) -> LoadedModel:
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
     device, dtype = resolve_device(settings.device, settings.dtype)
     try:
-        model = load_checkpoint(path, device=device, dtype=dtype)
+        model = optimize_for_cpu(load_checkpoint(path, device=device, dtype=dtype))
         tokenizer = get_tokenizer(model.config.tokenizer)
         template = ChatTemplate.for_checkpoint(path)
     except (ValueError, RuntimeError, OSError) as exc:

@@ -7,6 +7,8 @@ import random
 
 import torch
 
+from kernels.metadata import AttentionMetadata
+
 ON_CUDA = os.environ.get("GPTSERVE_TRITON_CUDA") == "1" and torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
@@ -25,7 +27,7 @@ def paged_batch(
     ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0, spare=3,
     head_major=False,
 ):  # fmt: skip
-    """Pools full of NaN except the slots the sequences own, in shuffled pool blocks.
+    """(q, k_cache, v_cache, metadata): pools full of NaN except the slots the sequences own, in shuffled pool blocks.
 
     Tables are padded with block 0, which nobody owns: a kernel that reads past a context, or
     through a padding entry, without masking the load picks up NaN. `spare` more blocks are owned
@@ -52,15 +54,12 @@ def paged_batch(
             )
         tables.append(blocks)
     width = max(len(t) for t in tables) + 1  # wider than needed, padded with block 0
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(query_start[-1]), n_head, head_dim, generator=gen)
-    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    meta = AttentionMetadata.build(padded, ctx_lens, q_lens, page_size, device)
+    q = torch.randn(meta.num_tokens, n_head, head_dim, generator=gen)
     if head_major:
         k_cache, v_cache = (
             t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_cache, v_cache)
         )
-    return tuple(
-        t.to(device, dtype) if t.is_floating_point() else t.to(device)
-        for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)
-    )
+    q, k_cache, v_cache = (t.to(device, dtype) for t in (q, k_cache, v_cache))
+    return q, k_cache, v_cache, meta

@@ -184,14 +184,11 @@ class NextTokenModel(nn.Module):
         self.vocab = vocab
         self.w = nn.Parameter(torch.zeros(1))
 
-    def pack_for_cpu_inference(self):
-        pass  # nothing to lay out: the mock has no weights that matter
-
     def make_cache(self, num_blocks, block_size=16, **kw):
         return KVCache(1, 1, 2, num_blocks, block_size)
 
-    def forward_cached(self, tokens, cache, batch, logits_index=None):
-        index = batch.last_token_index if logits_index is None else logits_index
+    def forward_cached(self, tokens, cache, meta, logits_index=None):
+        index = meta.last_token_index if logits_index is None else logits_index
         logits = torch.zeros(len(index), self.vocab)
         for row, pos in enumerate(index.tolist()):
             logits[row, self.script.get(int(tokens[pos]), 0)] = 10.0

@@ -10,7 +10,7 @@ with slabs stored (width, in), each output's weights contiguous; the 154 MB voca
 (in, width) slabs, and it gets more slabs than threads (`slab_count`).
 
 `pack_linear` and `pack_head` choose per matrix between these slabs and oneDNN's own layout
-(`model.onednn_linear`), which is faster for several rows; `python bench/cpu_parts.py` measures
+(`model.cpu.onednn_linear`), which is faster for several rows; `python bench/cpu_parts.py` measures
 all three against each other.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.onednn_linear import OneDnnLinear, RowSwitch
+from model.cpu.onednn_linear import OneDnnLinear, RowSwitch
 
 
 class PackedLinear(nn.Module):

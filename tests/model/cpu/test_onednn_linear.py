@@ -1,12 +1,21 @@
+import platform
+
 import pytest
 import torch
 import torch.nn as nn
 
-from model.onednn_linear import OneDnnLinear, RowSwitch
+from model.cpu.onednn_linear import OneDnnLinear, RowSwitch
 
+# x86-64 builds of PyTorch ship oneDNN: there the fast path must be found, never skipped quietly
+X86_WITH_ONEDNN = platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available()
 needs_onednn = pytest.mark.skipif(
-    not OneDnnLinear.supports(torch.float32), reason="this PyTorch build has no oneDNN linear"
+    not X86_WITH_ONEDNN, reason="oneDNN's linear is only required of x86-64 builds with oneDNN"
 )
+
+
+@needs_onednn
+def test_the_probe_finds_onednn_for_fp32_on_x86():
+    assert OneDnnLinear.supports(torch.float32)
 
 
 @needs_onednn
@@ -51,6 +60,7 @@ def test_onednn_linear_in_bfloat16():
 def test_supports_answers_without_raising_for_every_float_dtype():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert OneDnnLinear.supports(dtype) in (True, False)
+    assert not OneDnnLinear.supports(torch.int32)  # not a float: the probe says no
 
 
 class _Tag(nn.Module):

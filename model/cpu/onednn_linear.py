@@ -57,7 +57,7 @@ class OneDnnLinear(nn.Module):
 
 @functools.cache
 def _probe(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
+    if not (dtype.is_floating_point and torch.backends.mkldnn.is_available()):
         return False
     try:  # the ops are private to PyTorch and need CPU support per dtype: try a tiny one
         linear = nn.Linear(8, 8).to(dtype)

@@ -1,0 +1,71 @@
+"""The CPU wing: inference-only layouts for a loaded model's matrices, applied from outside.
+
+`optimize_for_cpu(model)` swaps modules of a loaded `GPT`, as a quantizer is applied at load:
+every `nn.Linear` of the layers gets oneDNN's weight layout where this CPU and build have it
+(per-thread slabs otherwise), each feed-forward block becomes a `FusedMLP` whose first product
+applies GELU/ReLU itself, and the output head keeps both forms (slabs for one row, oneDNN for
+more; `model.cpu.onednn_linear.RowSwitch`). A tied embedding then reads its rows from the head's
+slabs, so the table is stored once. `python bench/cpu_parts.py` measures each part against what
+it replaces.
+
+The model computes the same function afterwards, but its parameters are no longer trainable
+tensors: it cannot be trained, and `save_checkpoint` refuses it. `GPT` itself knows nothing of
+this module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from model.cpu.onednn_linear import OneDnnLinear, RowSwitch
+from model.cpu.packed_linear import (
+    PackedEmbedding,
+    PackedLinear,
+    pack_head,
+    pack_linear,
+    pack_linears,
+)
+from model.gpt import GPT, MLP
+
+WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, RowSwitch)
+
+
+class FusedMLP(nn.Module):
+    """`MLP` for CPU inference: c_fc's oneDNN product applies the activation (no dropout)."""
+
+    def __init__(self, mlp: MLP, threads: int) -> None:
+        super().__init__()
+        activation = "relu" if mlp.relu else "gelu_tanh"
+        self.c_fc = OneDnnLinear(mlp.c_fc, activation=activation)
+        self.c_proj = pack_linear(mlp.c_proj, threads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.c_fc(x))
+
+
+def is_optimized_for_cpu(model: nn.Module) -> bool:
+    """Whether `optimize_for_cpu` has swapped any of this model's modules."""
+    return any(isinstance(m, WING_MODULES) for m in model.modules())
+
+
+@torch.no_grad()
+def optimize_for_cpu(model: GPT, threads: int | None = None) -> GPT:
+    """Swap the model's linear layers for CPU inference layouts, in place; returns the model.
+
+    A model on another device, or one already swapped, is returned unchanged. The model is put in
+    eval mode and can no longer be trained or saved.
+    """
+    if next(model.parameters()).device.type != "cpu" or is_optimized_for_cpu(model):
+        return model
+    model.eval().requires_grad_(False)
+    threads = threads or torch.get_num_threads()
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    model.lm_head, slabs = pack_head(model.lm_head, threads)
+    for block in model.transformer.h:
+        if OneDnnLinear.supports(block.mlp.c_fc.weight.dtype):
+            block.mlp = FusedMLP(block.mlp, threads)
+    pack_linears(model, threads)
+    if tied:
+        model.transformer.wte = PackedEmbedding(slabs)
+    return model
