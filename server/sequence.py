@@ -1,7 +1,10 @@
 """One completion being generated: its tokens, its text, and when it stops.
 
-Text that might still turn out to be the start of a stop string is held back, so a stop string
-split across tokens never leaks into the stream.
+Each completion's tokens are decoded once, here, by one incremental detokenizer; the events carry
+the released text and where each token's text begins, which is all the HTTP layer needs. Text that
+might still turn out to be the start of a stop string is held back, so a stop string split across
+tokens never leaks into the stream. Stop strings, like the end-of-text token, cannot end a
+completion before `min_tokens` tokens were generated.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class TokenLogprob:
 class TokenEvent:
     """What one completion produced in one engine step.
 
-    text is the newly released text (it may lag the tokens while a stop string could be forming).
+    text is the newly released text (it may lag the tokens while a stop string could be forming);
+    text_offsets is, for each of token_ids, where its text begins in the completion's text.
     finish_reason is "stop", "length" or "abort" on the last event of a completion; error is set
     when the request failed (the completion is then over too).
     """
@@ -42,6 +46,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_generated: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    text_offsets: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +79,8 @@ class Sequence:
         self._text = ""  # all text decoded so far
         self._released = 0  # characters of _text already handed out
         self._hold = max((len(s) for s in params.stop), default=0)
+        self._stop_from = 0  # a stop string must end past this many characters (min_tokens)
+        self.text_offsets: list[int] = []  # where each generated token's text begins in _text
 
     @property
     def output_ids(self) -> list[int]:
@@ -96,12 +103,15 @@ class Sequence:
         """Add a sampled token; returns the text it releases and sets finish_reason when done."""
         p = self.params
         self.token_ids.append(token)
+        self.text_offsets.append(len(self._text))
         n_out = self.num_generated
         if token in p.stop_token_ids or (token == eos_token and not p.ignore_eos):
             self.finish_reason = "stop"
             return self._release(self._text[self._released :])  # the stop token adds no text
+        if n_out <= p.min_tokens:  # a stop string may end in the text of token min_tokens on
+            self._stop_from = len(self._text)
         self._text += self._detok.add(token)
-        if p.stop:
+        if p.stop and n_out >= p.min_tokens:
             cut = self._find_stop()
             if cut is not None:
                 self.finish_reason = "stop"
@@ -114,9 +124,14 @@ class Sequence:
         return self._release(self._text[self._released : len(self._text) - self._held_back()])
 
     def _find_stop(self) -> int | None:
-        """Index in _text where the earliest stop string begins, searching only new text."""
-        start = max(0, self._released - self._hold)
-        hits = [i for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
+        """Index in _text where the earliest stop string begins, among those that end in text
+        not yet released and past _stop_from (held-back text never begins inside released text,
+        so neither does a match)."""
+        hits = []
+        for s in self.params.stop:
+            start = max(0, self._released - len(s) + 1, self._stop_from - len(s) + 1)
+            if (i := self._text.find(s, start)) >= 0:
+                hits.append(i)
         return min(hits) if hits else None
 
     def _held_back(self) -> int:
