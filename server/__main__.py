@@ -1,59 +1,93 @@
-"""`python -m server`: load the checkpoint, then serve it with uvicorn until SIGTERM/SIGINT.
+"""`python -m server`: bind the port, load the checkpoint behind it, serve until SIGTERM/SIGINT.
 
-Errors in flags or the checkpoint print one `error: ...` line and exit with status 2. On SIGTERM
-the server stops accepting connections, lets in-flight requests finish for --shutdown-grace
-seconds (then cancels them), stops the engine thread and exits 0.
+The port is bound before the model loads, so `/health` answers 503 "loading" over HTTP while a
+large checkpoint loads. Bad flags, a missing checkpoint directory, an unavailable device or a port
+that cannot be bound print one `error: ...` line and exit with status 2 before anything loads; a
+checkpoint that fails while loading stops the server, and the process ends with the same
+`error: ...` line and status 2. On SIGTERM the server stops accepting connections, lets in-flight
+requests finish for --shutdown-grace seconds (then cancels them), stops the engine thread and
+exits 0.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import sys
 
 import uvicorn
 
 from model.cpu_memory import retain_freed_memory
 from server.app import create_app
-from server.settings import SettingsError, settings_from_args
-from server.state import ModelLoadError, load_model_in_thread
+from server.settings import Settings, SettingsError, settings_from_args
+from server.state import ModelLoadError, preflight
+
+
+def bind(settings: Settings) -> socket.socket:
+    """The listening socket, bound before anything loads; raises OSError."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.host, settings.port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
-    except SettingsError as exc:
+        preflight(settings)
+    except (SettingsError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind(settings)
+    except OSError as exc:  # the port is taken, the address is not this machine's, ...
+        print(f"error: cannot bind {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2
     retain_freed_memory()  # a process-wide malloc setting: the entry point's to make
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        loaded = load_model_in_thread(settings)
-    except ModelLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    app = create_app(settings, loaded)
+    app = create_app(settings)
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace,
         access_log=settings.log_level == "debug",
     )
     server = uvicorn.Server(config)
+    state = app.state.server
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    logging.getLogger("server").info(
+        "listening on http://%s:%d; loading %s", host, sock.getsockname()[1], settings.model_path
+    )
+
+    def load_failed(message: str) -> None:  # called in the loader thread: stop serving
+        server.should_exit = True
+
+    state.on_load_error = load_failed
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; with these no-op
     # handlers in place that re-raise is harmless and a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    try:
-        server.run()
-    except OSError as exc:  # e.g. the port is taken
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0 if server.started else 2
+    server.run(sockets=[sock])
+    code = 0 if server.started else 2
+    if state.load_error is not None:
+        print(f"error: {state.load_error}", file=sys.stderr)
+        code = 2
+    if state.loader_thread is not None and state.loader_thread.is_alive():
+        # stopped while the checkpoint was still loading: torch's threads cannot be torn down
+        # at interpreter exit under a running load, so leave without waiting for it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import APIError, bad_request, install_error_handlers
 from server.metrics import Metrics
 from server.openai_api import router as openai_router
-from server.params import check_model, encode_text
 from server.protocol import (
     ERROR_RESPONSES,
     DetokenizeRequest,
@@ -34,7 +32,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.settings import Settings
-from server.state import LoadedModel, ServerState
+from server.state import LoadedModel, ServerState, load_model
 from server.streams import ClientGone
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -166,19 +164,18 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
-    """An app for these settings; with `loaded` it serves that model, else it loads one at startup
-    in a thread (while /health answers 503 "loading")."""
+def create_app(
+    settings: Settings, loader: Callable[[Settings], LoadedModel] = load_model
+) -> FastAPI:
+    """An app for these settings. Its startup only begins loading the model, in a thread: the
+    server answers at once, /health with 503 "loading" until the engine runs."""
     settings.validate()
     metrics = Metrics()
-    state = ServerState(settings, metrics)
+    state = ServerState(settings, metrics, loader)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if loaded is not None:
-            state.start(loaded)
-        else:
-            threading.Thread(target=state.load_and_start, name="model-loader", daemon=True).start()
+        state.start_loading()
         try:
             yield
         finally:
@@ -230,31 +227,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> dict:
-        state.require_ready()
+        aeng = state.require_ready()
         card = {
             "id": state.loaded.name,
             "object": "model",
             "created": started,
             "owned_by": "gptserve",
-            "max_model_len": state.engine.max_len,
+            "max_model_len": aeng.limits.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:
-        state.require_ready()
-        check_model(body.model, state.loaded.name)
-        tokens = encode_text(state.loaded.tokenizer, body.prompt, "prompt") if body.prompt else []
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_len}
+        aeng = state.require_ready()
+        tokens = state.validator.tokenize(body)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": aeng.limits.max_model_len}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.require_ready()
-        check_model(body.model, state.loaded.name)
-        tok = state.loaded.tokenizer
-        if any(not tok.is_valid(t) for t in body.tokens):
-            raise bad_request(f"token ids must be in [0, {tok.vocab_size})", "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": state.loaded.tokenizer.decode(state.validator.detokenize(body))}
 
     @app.get("/", include_in_schema=False)
     async def playground() -> Response:

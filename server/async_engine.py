@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from model.sampling import SamplingParams
 from server.engine import Engine
@@ -27,6 +28,29 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine can take, fixed once it is built: the request boundary checks these."""
+
+    max_model_len: int  # context length: prompt + generated tokens
+    vocab_size: int  # the model's (token ids, logit_bias keys, stop_token_ids below it)
+    block_size: int  # tokens per KV cache block
+    kv_cache_blocks: int  # blocks in the whole pool
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.kv_cache_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step did, for the metrics."""
+
+    events: list[TokenEvent]
+    seconds: float
+    preempted: int  # sequences preempted (requeued to be recomputed) by this step
 
 
 class AsyncEngine:
@@ -42,8 +66,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: str | None = None  # why the engine thread stopped, if it did
-        self.on_step: Callable[[list[TokenEvent], float], None] | None = None
+        self.on_step: Callable[[StepStats], None] | None = None
         self.pending_adds = 0
+        self.limits: EngineLimits | None = None  # set once the Engine is built
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -70,6 +95,18 @@ class AsyncEngine:
         return self.engine.num_waiting + self.pending_adds
 
     @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_failed_steps(self) -> int:
+        return self.engine.num_failed_steps
+
+    @property
+    def kv_usage(self) -> float:
+        return self.engine.kv_usage
+
+    @property
     def num_requests(self) -> int:
         return len(self._streams)
 
@@ -78,10 +115,13 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
-        """Events of one request until all its n completions end. Closing the iterator aborts it."""
+        """Events of one request until all its n completions end. Closing the iterator aborts it.
+
+        The request is checked by server.validation before it comes here; should the engine still
+        refuse it, every completion gets one error event.
+        """
         if self.dead:
             raise EngineDeadError(self.dead)
-        self.engine.check_request(prompt_ids, params)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue, params.n)
         with self._lock:  # += and -= from two threads would lose updates
@@ -124,7 +164,13 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = self._build()
+            self.engine = engine = self._build()
+            self.limits = EngineLimits(
+                max_model_len=engine.max_len,
+                vocab_size=engine.model.config.vocab_size,
+                block_size=engine.config.block_size,
+                kv_cache_blocks=engine.cache.num_blocks,
+            )
         except BaseException as exc:
             self._build_error = exc
             return
@@ -141,10 +187,12 @@ class AsyncEngine:
                     command()
                 if self.engine.has_work():
                     t0 = time.perf_counter()
+                    preempted = self.engine.num_preemptions
                     events = self.engine.step()
                     self._deliver(events)
                     if self.on_step is not None:
-                        self.on_step(events, time.perf_counter() - t0)
+                        preempted = self.engine.num_preemptions - preempted
+                        self.on_step(StepStats(events, time.perf_counter() - t0, preempted))
                 else:
                     self._wake.wait(0.1)
                     self._wake.clear()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -13,7 +11,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from server.sequence import TokenEvent
+from server.async_engine import AsyncEngine, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -24,63 +22,65 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram(
-            "gptserve_time_to_first_token_seconds", "Request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "gptserve_inter_token_latency_seconds", "Time between tokens of one completion.",
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "gptserve_e2e_request_latency_seconds", "Request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.step = Histogram(
-            "gptserve_engine_step_seconds", "Duration of one engine step.",
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.prompt_tokens = Counter(
-            "gptserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r)
+
+        lat, tok = _LATENCY_BUCKETS, _TOKEN_BUCKETS
+        self.ttft = histogram(
+            "gptserve_time_to_first_token_seconds", "Request arrival to its first token.", lat
         )
-        self.generation_tokens = Counter(
-            "gptserve_generation_tokens", "Tokens generated.", registry=r
+        self.itl = histogram(
+            "gptserve_inter_token_latency_seconds", "Time between tokens of one completion.", tok
         )
-        self.requests = Counter(
+        self.e2e = histogram(
+            "gptserve_e2e_request_latency_seconds", "Request arrival to its last token.", lat
+        )
+        self.step = histogram("gptserve_engine_step_seconds", "Duration of one engine step.", tok)
+        self.prompt_tokens = counter(
+            "gptserve_prompt_tokens", "Prompt tokens of admitted requests."
+        )
+        self.generation_tokens = counter("gptserve_generation_tokens", "Tokens generated.")
+        self.preemptions = counter(
+            "gptserve_preemptions",
+            "Sequences preempted for lack of KV cache blocks (to be recomputed).",
+        )
+        self.requests = counter(
             "gptserve_requests", "Finished requests by HTTP status and finish reason.",
-            ["endpoint", "status", "finish_reason"], registry=r,
+            ("endpoint", "status", "finish_reason"),
         )  # fmt: skip
-        self.responses = Counter(
-            "gptserve_http_responses", "HTTP responses by status code.", ["status"], registry=r
+        self.responses = counter(
+            "gptserve_http_responses", "HTTP responses by status code.", ("status",)
         )
-        self.running = Gauge("gptserve_num_requests_running", "Sequences decoding.", registry=r)
-        self.waiting = Gauge("gptserve_num_requests_waiting", "Sequences waiting.", registry=r)
-        self.kv_usage = Gauge(
-            "gptserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r
+        self.running = gauge("gptserve_num_requests_running", "Sequences decoding.")
+        self.waiting = gauge("gptserve_num_requests_waiting", "Sequences waiting.")
+        self.kv_usage = gauge(
+            "gptserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use."
         )
-        self.failed_steps = Gauge(
-            "gptserve_engine_failed_steps", "Engine steps that raised.", registry=r
-        )
+        self.failed_steps = gauge("gptserve_engine_failed_steps", "Engine steps that raised.")
 
-    def watch_engine(
-        self,
-        running: Callable[[], float],
-        waiting: Callable[[], float],
-        kv_usage: Callable[[], float],
-        failed_steps: Callable[[], float],
-    ) -> None:
-        """Read the engine's gauges at scrape time."""
-        self.running.set_function(running)
-        self.waiting.set_function(waiting)
-        self.kv_usage.set_function(kv_usage)
-        self.failed_steps.set_function(failed_steps)
+    def watch(self, aeng: AsyncEngine) -> None:
+        """Read the engine's gauges at scrape time and count its steps."""
+        self.running.set_function(lambda: aeng.num_running)
+        self.waiting.set_function(lambda: aeng.num_waiting)
+        self.kv_usage.set_function(lambda: aeng.kv_usage)
+        self.failed_steps.set_function(lambda: aeng.num_failed_steps)
+        aeng.on_step = self.on_step
 
-    def on_step(self, events: list[TokenEvent], seconds: float) -> None:
+    def on_step(self, stats: StepStats) -> None:
         """Called by the engine thread after each step."""
-        self.step.observe(seconds)
-        generated = sum(len(e.token_ids) for e in events)
+        self.step.observe(stats.seconds)
+        generated = sum(len(e.token_ids) for e in stats.events)
         if generated:
             self.generation_tokens.inc(generated)
+        if stats.preempted:
+            self.preemptions.inc(stats.preempted)
 
     def count_request(self, endpoint: str, status: int | str, finish_reason: str | None) -> None:
         self.requests.labels(endpoint, str(status), finish_reason or "none").inc()

@@ -14,15 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from model.sampling import SamplingParams
 from server.async_engine import AsyncEngine, EngineDeadError
-from server.errors import APIError, bad_request, error_body
-from server.params import (
-    chat_params,
-    chat_prompt,
-    check_model,
-    check_prompts,
-    completion_params,
-    completion_prompts,
-)
+from server.errors import APIError, error_body
 from server.protocol import (
     COMPLETION_ERRORS,
     SSE_RESPONSE,
@@ -34,6 +26,7 @@ from server.protocol import (
 from server.sequence import TokenEvent
 from server.state import ServerState
 from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
+from server.validation import EngineInputs
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -59,12 +52,17 @@ class Job:
     created: int
     model: str
     aeng: AsyncEngine
-    prompts: list[list[int]]
-    params: SamplingParams
+    inputs: EngineInputs
     tracker: Tracker
     timeout: float
-    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
-    include_usage: bool = False
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.inputs.prompts
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.inputs.params
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,9 +83,10 @@ class Job:
         p = index // self.params.n
         if event.prompt_logprobs is not None:
             prompt_lps[p] = event.prompt_logprobs
-        if self.echo_texts is not None and text_start == 0:
+        echo = self.inputs.echo_texts
+        if echo is not None and text_start == 0:
             lps = prompt_lps.get(p) if self.params.prompt_logprobs is not None else None
-            self.tracker.add_prompt(choice, self.prompts[p], self.echo_texts[p], lps)
+            self.tracker.add_prompt(choice, self.prompts[p], echo[p], lps)
         self.tracker.update(choice, event)
         return choice, text_start, lp_start
 
@@ -100,7 +99,7 @@ class Job:
             "model": self.model,
             "choices": choices,
         }
-        if self.include_usage:
+        if self.inputs.include_usage:
             out["usage"] = None
         return out
 
@@ -128,21 +127,45 @@ def _check_queue(state: ServerState, aeng: AsyncEngine) -> None:
         )  # fmt: skip
 
 
-def _new_job(
-    state: ServerState,
-    kind: str,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    stream_usage: bool,
-) -> Job:
-    loaded = state.loaded
+async def _answer(
+    state: ServerState, aeng: AsyncEngine, kind: str, inputs: EngineInputs, request: Request
+) -> Response:
+    """Queue an accepted request and answer it: a stream, or the whole completion."""
+    _check_queue(state, aeng)
+    loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     tracker = Tracker(len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter())
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    return Job(
-        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, state.aeng,
-        prompts, params, tracker, state.settings.request_timeout, include_usage=stream_usage,
+    job = Job(
+        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, aeng, inputs,
+        tracker, state.settings.request_timeout,
     )  # fmt: skip
+    if inputs.stream:
+        delta = _completion_delta if kind == "completion" else _chat_delta
+        return StreamingResponse(
+            _stream(job, delta), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    await _collect(job, request)
+    choices = [_whole_choice(job, c) for c in job.tracker.choices]
+    obj = "text_completion" if kind == "completion" else "chat.completion"
+    out = {
+        "id": job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": job.usage(),
+    }
+    return JSONResponse(out)
+
+
+def _whole_choice(job: Job, c: Choice) -> dict:
+    text = "".join(c.text)
+    if job.kind == "completion":
+        body = {"index": c.index, "text": text}
+    else:
+        body = {"index": c.index, "message": {"role": "assistant", "content": text}}
+    return {**body, "logprobs": job.logprobs(c), "finish_reason": c.finish_reason}
 
 
 @router.post(
@@ -153,41 +176,7 @@ def _new_job(
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
     aeng = state.require_ready()
-    loaded, engine, settings = state.loaded, state.engine, state.settings
-    check_model(body.model, loaded.name)
-    params = completion_params(body, settings, engine.model.config.vocab_size)
-    prompts, texts = completion_prompts(body, loaded.tokenizer, settings)
-    check_prompts(engine, prompts, params, settings, "prompt")
-    _check_queue(state, aeng)
-    usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    job = _new_job(state, "completion", prompts, params, usage)
-    if body.echo:
-        job.echo_texts = [
-            t if t is not None else loaded.tokenizer.decode(ids) for ids, t in zip(prompts, texts)
-        ]
-    if body.stream:
-        return StreamingResponse(
-            _stream(job, _completion_delta), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-    await _collect(job, request)
-    choices = [
-        {
-            "index": c.index,
-            "text": "".join(c.text),
-            "logprobs": job.logprobs(c),
-            "finish_reason": c.finish_reason,
-        }
-        for c in job.tracker.choices
-    ]
-    out = {
-        "id": job.id,
-        "object": "text_completion",
-        "created": job.created,
-        "model": job.model,
-        "choices": choices,
-        "usage": job.usage(),
-    }
-    return JSONResponse(out)
+    return await _answer(state, aeng, "completion", state.validator.completion(body), request)
 
 
 @router.post(
@@ -198,47 +187,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
     aeng = state.require_ready()
-    loaded, engine, settings = state.loaded, state.engine, state.settings
-    check_model(body.model, loaded.name)
-    ids = chat_prompt(body, loaded.tokenizer, loaded.template)
-    room = engine.max_len - len(ids)
-    if room <= 0:
-        raise bad_request(
-            f"this model's maximum context length is {engine.max_len} tokens; the messages "
-            f"take {len(ids)}", "messages", code="context_length_exceeded",
-        )  # fmt: skip
-    # the default max_tokens fills the context, but no more than the KV pool holds (a pool
-    # smaller than one context would otherwise refuse every chat request without max_tokens)
-    pool_room = engine.cache.num_blocks * engine.config.block_size - len(ids)
-    default = max(1, min(room, pool_room))
-    params = chat_params(body, settings, engine.model.config.vocab_size, default, loaded.template)
-    check_prompts(engine, [ids], params, settings, "messages")
-    _check_queue(state, aeng)
-    usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    job = _new_job(state, "chat", [ids], params, usage)
-    if body.stream:
-        return StreamingResponse(
-            _stream(job, _chat_delta), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-    await _collect(job, request)
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": job.logprobs(c),
-            "finish_reason": c.finish_reason,
-        }
-        for c in job.tracker.choices
-    ]
-    out = {
-        "id": job.id,
-        "object": "chat.completion",
-        "created": job.created,
-        "model": job.model,
-        "choices": choices,
-        "usage": job.usage(),
-    }
-    return JSONResponse(out)
+    return await _answer(state, aeng, "chat", state.validator.chat(body), request)
 
 
 async def _collect(job: Job, request: Request) -> None:
@@ -333,7 +282,7 @@ async def _stream(job: Job, delta: DeltaFn) -> AsyncIterator[bytes]:
             raise _timeout_error(job.timeout) from None
         except EngineDeadError as exc:
             raise APIError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
-        if job.include_usage:
+        if job.inputs.include_usage:
             final = job.chunk([])
             final["usage"] = job.usage()
             yield sse(final)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API as pydantic models (they also make the OpenAPI schema).
 
-Types are strict (no "1" -> 1, no true -> 1); unknown fields are ignored as OpenAI does. Range
-checks that depend on the server's limits live in `server.requests`, not here.
+Types are strict (no "1" -> 1, no true -> 1); unknown fields are ignored as OpenAI does. Every
+other check (ranges, limits, rules between fields) is in `server.validation`, not here.
 """
 
 from __future__ import annotations

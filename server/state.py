@@ -1,9 +1,15 @@
-"""What a running server holds: the loaded model, the engine and its thread, and readiness."""
+"""What a running server holds: the loaded model, the engine and its thread, and readiness.
+
+There is one way to start: the app binds its port first, then `ServerState.start_loading` loads
+the checkpoint and starts the engine in a background thread, so `/health` answers 503 "loading"
+over HTTP while a large checkpoint loads and 200 once it serves.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +23,7 @@ from server.engine import Engine, EngineConfig
 from server.errors import APIError
 from server.metrics import Metrics
 from server.settings import DEFAULT_MODEL_DIR, Settings
+from server.validation import Validator
 
 log = logging.getLogger(__name__)
 
@@ -46,31 +53,9 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     return torch.device(device), _DTYPES[dtype]
 
 
-def load_model_in_thread(settings: Settings) -> LoadedModel:
-    """`load_model` in a short-lived thread, so the caller's thread never runs parallel torch work.
-
-    A finished thread's OpenMP pool is freed; one left in the main thread would slow the engine
-    thread down (see server.async_engine).
-    """
-    result: list[LoadedModel] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(load_model(settings))
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="model-loader", daemon=True)  # Ctrl-C exits
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
-def load_model(settings: Settings) -> LoadedModel:
-    """Load the checkpoint, its tokenizer and chat template; raises ModelLoadError."""
+def preflight(settings: Settings) -> None:
+    """The checks that need no loading (directory, device): `python -m server` runs them before
+    it binds its port, so these mistakes exit at once. Raises ModelLoadError."""
     path = settings.model_path
     if not path.is_dir():
         if settings.model is None:
@@ -78,6 +63,13 @@ def load_model(settings: Settings) -> LoadedModel:
                 f"no --model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
             )
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
+    resolve_device(settings.device, settings.dtype)
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """Load the checkpoint, its tokenizer and chat template; raises ModelLoadError."""
+    preflight(settings)
+    path = settings.model_path
     device, dtype = resolve_device(settings.device, settings.dtype)
     try:
         model = optimize_for_cpu(load_checkpoint(path, device=device, dtype=dtype))
@@ -95,19 +87,52 @@ def load_model(settings: Settings) -> LoadedModel:
 
 
 class ServerState:
-    """Readiness and the engine of one app; the app's handlers reach everything through it."""
+    """Readiness and the engine of one app; the app's handlers reach everything through it.
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    `loader` turns the settings into a loaded model (tests pass a slow one); `on_load_error` is
+    called with the message when loading fails (`python -m server` then exits).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        loader: Callable[[Settings], LoadedModel] = load_model,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.loader = loader
+        self.on_load_error: Callable[[str], None] | None = None
         self.loaded: LoadedModel | None = None
-        self.engine: Engine | None = None
         self.aeng: AsyncEngine | None = None
+        self.validator: Validator | None = None
         self.load_error: str | None = None
+        self.loader_thread: threading.Thread | None = None
         self.closed = False
-        self._lock = threading.Lock()  # closed vs. a start() finishing in another thread
+        self._lock = threading.Lock()  # closed vs. a start finishing in the loader thread
 
-    def start(self, loaded: LoadedModel) -> None:
+    def start_loading(self) -> threading.Thread:
+        """Load the model and start the engine in a thread of their own; returns the thread.
+
+        The loader thread ends once the engine runs, and with it the OpenMP pool its torch work
+        made: a pool left in a thread that lives on (the event loop's) would slow the engine
+        thread down (see server.async_engine).
+        """
+        thread = threading.Thread(target=self._load_and_start, name="model-loader", daemon=True)
+        self.loader_thread = thread
+        thread.start()
+        return thread
+
+    def _load_and_start(self) -> None:
+        try:
+            self._start(self.loader(self.settings))
+        except Exception as exc:  # readiness reports it; the process keeps answering /health
+            self.load_error = str(exc) or repr(exc)
+            log.error("model failed to load: %s", self.load_error)
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
+
+    def _start(self, loaded: LoadedModel) -> None:
         """Build the engine around a loaded model and start its thread."""
         if self.closed:  # shut down while the model was loading
             return
@@ -119,33 +144,22 @@ class ServerState:
             kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
         )
         aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config))
-        aeng.on_step = self.metrics.on_step
-        engine = aeng.start()  # built in the engine thread (see server.async_engine)
+        aeng.start()  # the Engine is built in the engine thread (see server.async_engine)
+        limits = aeng.limits
+        validator = Validator(s, limits, loaded.name, loaded.tokenizer, loaded.template)
         with self._lock:
             closed = self.closed  # shut down while the engine was being built?
             if not closed:
-                self.loaded, self.engine, self.aeng = loaded, engine, aeng
+                self.metrics.watch(aeng)
+                self.loaded, self.validator, self.aeng = loaded, validator, aeng
         if closed:
             aeng.stop()
             return
-        self.metrics.watch_engine(
-            running=lambda: engine.num_running,
-            waiting=lambda: aeng.num_waiting,
-            kv_usage=lambda: engine.kv_usage,
-            failed_steps=lambda: engine.num_failed_steps,
-        )
         log.info(
-            "serving %s from %s on %s (%d KV blocks of %d tokens)",
-            loaded.name, loaded.path, engine.device, engine.cache.num_blocks, config.block_size,
+            "serving %s from %s (context %d tokens, %d KV blocks of %d tokens)",
+            loaded.name, loaded.path, limits.max_model_len, limits.kv_cache_blocks,
+            limits.block_size,
         )  # fmt: skip
-
-    def load_and_start(self) -> None:
-        """For apps built without a preloaded model: runs in a thread during startup."""
-        try:
-            self.start(load_model(self.settings))
-        except Exception as exc:  # readiness reports it; the process keeps answering /health
-            self.load_error = str(exc) or repr(exc)
-            log.error("model failed to load: %s", self.load_error)
 
     def stop(self) -> None:
         with self._lock:
@@ -173,17 +187,18 @@ class ServerState:
         return self.aeng
 
     def health(self) -> tuple[int, dict]:
-        if self.aeng is None or self.engine is None:
+        aeng = self.aeng
+        if aeng is None:
             if self.load_error:
                 return 503, {"status": "failed", "error": self.load_error}
             return 503, {"status": "loading"}
         body = {
             "status": "ok",
-            "model": self.loaded.name if self.loaded else None,
-            "failed_steps": self.engine.num_failed_steps,
-            "running": self.engine.num_running,
-            "waiting": self.aeng.num_waiting,
+            "model": self.loaded.name,
+            "failed_steps": aeng.num_failed_steps,
+            "running": aeng.num_running,
+            "waiting": aeng.num_waiting,
         }
-        if self.aeng.dead:
-            return 503, {**body, "status": "dead", "error": self.aeng.dead}
+        if aeng.dead:
+            return 503, {**body, "status": "dead", "error": aeng.dead}
         return 200, body

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from model.sampling import SamplingParams
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from model.tokenizer import Tokenizer
 from server.async_engine import AsyncEngine
 from server.metrics import Metrics
 from server.sequence import TokenEvent, TokenLogprob
@@ -92,6 +92,15 @@ async def merged_events(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def prompt_offsets(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """Where each prompt token's text begins in the prompt's text."""
+    detok, offsets, chars = tokenizer.detokenizer(), [], 0
+    for token in ids:
+        offsets.append(chars)
+        chars += len(detok.add(token))
+    return offsets
+
+
 def token_text(tokenizer: Tokenizer, token: int) -> str:
     """A token as a string: its UTF-8 text, or "bytes:\\xNN..." when its bytes are not whole characters."""
     raw = tokenizer.token_bytes(token)
@@ -113,8 +122,7 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     num_generated: int = 0
-    lp_chars: int = 0  # characters before the next token with logprobs
-    detok: IncrementalDetokenizer | None = None
+    text_base: int = 0  # characters before the generated text (an echoed prompt)
     last_token_at: float | None = None
 
 
@@ -135,10 +143,9 @@ class Tracker:
     ) -> None:
         """Echo: the prompt's text (and its logprobs, the first one None) open the choice."""
         choice.text.append(text)
+        choice.text_base = len(text)
         if lps is not None:
-            self._add_logprobs(choice, ids, lps)
-            choice.lp_chars = len(text)
-            choice.detok = None  # generated tokens start a fresh detokenizer
+            self._add_logprobs(choice, ids, lps, prompt_offsets(self.tokenizer, ids))
 
     def update(self, choice: Choice, event: TokenEvent) -> None:
         now = time.perf_counter()
@@ -150,7 +157,8 @@ class Tracker:
                 self.metrics.itl.observe(now - choice.last_token_at)
             choice.last_token_at = now
         if event.logprobs:
-            self._add_logprobs(choice, event.token_ids, event.logprobs)
+            offsets = [choice.text_base + offset for offset in event.text_offsets]
+            self._add_logprobs(choice, event.token_ids, event.logprobs, offsets)
         choice.text.append(event.text)
         choice.num_generated = event.num_generated
         if event.finish_reason is not None:
@@ -158,16 +166,13 @@ class Tracker:
         if event.error is not None:
             choice.error = event.error
 
+    @staticmethod
     def _add_logprobs(
-        self, choice: Choice, ids: list[int], entries: list[TokenLogprob | None]
+        choice: Choice, ids: list[int], entries: list[TokenLogprob | None], offsets: list[int]
     ) -> None:
-        if choice.detok is None:
-            choice.detok = self.tokenizer.detokenizer()
-        for token, entry in zip(ids, entries):
-            choice.lp_tokens.append(token)
-            choice.logprobs.append(entry)
-            choice.offsets.append(choice.lp_chars)
-            choice.lp_chars += len(choice.detok.add(token))
+        choice.lp_tokens.extend(ids)
+        choice.logprobs.extend(entries)
+        choice.offsets.extend(offsets)
 
     @property
     def completion_tokens(self) -> int:

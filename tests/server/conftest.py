@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +19,7 @@ from model import GPT, ModelConfig, save_checkpoint
 from server.app import create_app
 from server.engine import Engine
 from server.settings import Settings
-from server.state import load_model
+from server.state import LoadedModel, ServerState, load_model
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-gpt"
@@ -42,8 +42,12 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def state(self) -> ServerState:
+        return self.app.state.server
+
+    @property
     def engine(self) -> Engine:
-        return self.app.state.server.engine
+        return self.state.aeng.engine
 
     def wait_blocks_free(self, timeout: float = 5.0) -> bool:
         """True once every KV block is back in the pool (bounded wait)."""
@@ -78,17 +82,27 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:  # noqa: ANN001
 
 
 @contextmanager
-def live_server(settings: Settings) -> Iterator[LiveServer]:
-    """Serve create_app(settings) from a thread; always shut down."""
-    settings.port = free_port()
-    app = create_app(settings, load_model(settings))
-    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning")
+def live_server(
+    settings: Settings,
+    loader: Callable[[Settings], LoadedModel] = load_model,
+    wait_ready: bool = True,
+) -> Iterator[LiveServer]:
+    """Serve create_app(settings, loader) from a thread on 127.0.0.1; always shut down.
+
+    It yields once the port answers and, with wait_ready, once the model serves.
+    """
+    settings.host, settings.port = "127.0.0.1", free_port()
+    app = create_app(settings, loader)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
+    state: ServerState = app.state.server
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not server.started:
+        while not server.started or (wait_ready and not state.ready):
+            if state.load_error:
+                raise RuntimeError(f"test server failed to load: {state.load_error}")
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("test server did not start")
             time.sleep(0.02)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,10 +58,106 @@ def test_bad_flags_exit_2(args: list[str]) -> None:
 
 
 def test_unloadable_checkpoint_exit_2(tmp_path: Path) -> None:
+    """The checkpoint fails while loading, after the port is bound: the server stops and the
+    process ends with one `error:` line naming the file, and status 2."""
     (tmp_path / "config.json").write_text("{not json")
-    out = run_cli("--model", str(tmp_path))
+    out = run_cli("--model", str(tmp_path), "--port", str(free_port()))
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.startswith("error: ") and out.stderr.strip().count("\n") == 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot read ") and "config.json" in last
+
+
+def test_a_taken_port_is_one_line_exit_2_before_loading() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run_cli("--port", str(port))
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"error: cannot bind 127.0.0.1:{port}: ")
+    assert out.stderr.count("\n") == 1 and "in use" in out.stderr
+
+
+# `python -m server` whose checkpoint load waits until a file appears (at most 60 s)
+GATED_SERVER = """
+import sys, time
+from pathlib import Path
+import server.state
+real = server.state.load_checkpoint
+def gated(*args, **kwargs):
+    deadline = time.monotonic() + 60
+    while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return real(*args, **kwargs)
+server.state.load_checkpoint = gated
+from server.__main__ import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def start_gated_server(gate: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """A gated server process and its URL, once its port answers."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GATED_SERVER, str(gate), "--port", str(port), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return proc, url
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "the port never answered"
+            time.sleep(0.05)
+
+
+def test_health_answers_loading_over_http_until_the_model_serves(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    gate = tmp_path / "load-now"
+    proc, url = start_gated_server(gate, "--model", str(tiny_checkpoint), "--api-key", "k")
+    try:
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        body = {"prompt": "a", "max_tokens": 1}
+        auth = {"Authorization": "Bearer k"}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=5)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == {
+            "message": "the model is still loading", "type": "server_error", "param": None,
+            "code": "loading",
+        }  # fmt: skip
+        assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
+        gate.touch()
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{url}/health", timeout=5)).status_code != 200:
+            assert health.json() == {"status": "loading"}
+            assert time.monotonic() < deadline, "the model never became ready"
+            time.sleep(0.05)
+        assert health.json()["status"] == "ok" and health.json()["model"] == tiny_checkpoint.name
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_sigterm_while_loading_exits_0_at_once(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    proc, url = start_gated_server(tmp_path / "never", "--model", str(tiny_checkpoint))
+    try:
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "loading"}
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 10  # it did not wait for the load
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_settings_from_args_env_keys() -> None:

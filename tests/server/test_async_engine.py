@@ -13,7 +13,7 @@ from model.sampling import SamplingParams
 from server.async_engine import AsyncEngine
 from server.engine import Engine, EngineConfig
 from server.settings import Settings
-from server.state import ModelLoadError, load_model_in_thread
+from server.state import ModelLoadError, load_model
 
 
 def test_the_engine_is_built_and_stepped_in_the_engine_thread(tiny_checkpoint: Path):
@@ -57,13 +57,13 @@ def test_a_failing_build_is_raised_by_start_and_the_thread_ends():
     assert not aeng._thread.is_alive() and aeng.engine is None
 
 
-def test_load_model_in_thread_returns_the_model_or_raises_the_load_error(
+def test_load_model_returns_the_model_or_raises_the_load_error(
     tiny_checkpoint: Path, tmp_path: Path
 ):
-    loaded = load_model_in_thread(Settings(model=str(tiny_checkpoint)))
-    assert loaded.model.config.n_layer == 2
+    loaded = load_model(Settings(model=str(tiny_checkpoint)))
+    assert loaded.model.config.n_layer == 2 and loaded.name == tiny_checkpoint.name
     with pytest.raises(ModelLoadError, match="does not exist"):
-        load_model_in_thread(Settings(model=str(tmp_path / "missing")))
+        load_model(Settings(model=str(tmp_path / "missing")))
 
 
 def test_stop_while_the_engine_is_being_built_leaves_no_engine_running(
@@ -87,10 +87,10 @@ def test_stop_while_the_engine_is_being_built_leaves_no_engine_running(
 
     before = engine_threads()
     monkeypatch.setattr(state_module, "Engine", slow_engine)
-    state = ServerState(Settings(model=str(tiny_checkpoint), max_num_seqs=2), Metrics())
-    loaded = load_model_in_thread(state.settings)
-    starter = threading.Thread(target=state.start, args=(loaded,))
-    starter.start()
+    settings = Settings(model=str(tiny_checkpoint), max_num_seqs=2)
+    loaded = load_model(settings)
+    state = ServerState(settings, Metrics(), loader=lambda _: loaded)
+    starter = state.start_loading()
     assert building.wait(10)
     state.stop()  # the engine is half built: nothing to stop yet
     starter.join(10)

@@ -1,0 +1,316 @@
+"""The request boundary: a parsed request body in, engine inputs out, or a 400 naming the field.
+
+pydantic (server.protocol) checks the shape and types of a body; everything else a request must
+satisfy is checked here, once: the server's limits (`Settings`), the engine's limits
+(`AsyncEngine.limits`: context length, vocabulary, KV pool), the sampler's ranges and the
+OpenAI rules between fields. What leaves `Validator.completion` or `Validator.chat` fits the
+engine; the engine's own check behind it is a guard, not a second source of errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.sampling import SamplingError, SamplingParams
+from model.tokenizer import Tokenizer
+from server.async_engine import EngineLimits
+from server.chat import ChatTemplate
+from server.errors import APIError, bad_request
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from server.settings import Settings
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class EngineInputs:
+    """One accepted generation request, ready for the engine."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False  # the stream ends with a usage chunk
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+    """Text -> ids; the empty string becomes [end-of-text] (GPT-2 has no BOS token)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the text contains invalid Unicode (lone surrogates)", param) from None
+    if not text:
+        return [tokenizer.eot_token]
+    return tokenizer.encode(text)
+
+
+class Validator:
+    """Checks requests for one served model against the server's and the engine's limits."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        limits: EngineLimits,
+        name: str,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+    ) -> None:
+        self.settings = settings
+        self.limits = limits
+        self.name = name
+        self.tokenizer = tokenizer
+        self.template = template
+
+    # ---- endpoints ------------------------------------------------------------------------
+
+    def completion(self, req: CompletionRequest) -> EngineInputs:
+        check_model(req.model, self.name)
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != 1:
+            raise bad_request("best_of is not supported (only 1)", "best_of")
+        include_usage = self._stream_options(req)
+        logprobs = req.logprobs
+        if logprobs is not None:
+            self._logprobs_within_limit(logprobs, "logprobs")
+        max_tokens = self._max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+        params = self._sampling_params(
+            req, max_tokens, logprobs,
+            prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
+        )  # fmt: skip
+        prompts, texts = self._completion_prompts(req)
+        for ids in prompts:
+            self._check_fits(ids, max_tokens, "prompt", "max_tokens")
+        echo = None
+        if req.echo:
+            echo = [
+                t if t is not None else self.tokenizer.decode(p) for p, t in zip(prompts, texts)
+            ]
+        return EngineInputs(prompts, params, bool(req.stream), include_usage, echo)
+
+    def chat(self, req: ChatCompletionRequest) -> EngineInputs:
+        check_model(req.model, self.name)
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request(
+                "only response_format {'type': 'text'} is supported", "response_format"
+            )
+        include_usage = self._stream_options(req)
+        top = req.top_logprobs
+        if top is not None:
+            self._logprobs_within_limit(top, "top_logprobs")
+        if top and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        ids = self._chat_prompt(req)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        value = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        if value is not None and value < 1:
+            raise bad_request(f"{param} must be at least 1", param)
+        # by default the completion may fill the context, but no more than the KV pool holds (a
+        # pool smaller than one context would otherwise refuse every chat request without it)
+        room = min(self.limits.max_model_len, self.limits.kv_cache_tokens) - len(ids)
+        max_tokens = self._max_tokens(value, max(1, room), param)
+        params = self._sampling_params(
+            req, max_tokens, (top or 0) if req.logprobs else None, extra_stop=self.template.stop
+        )
+        self._check_fits(ids, max_tokens, "messages", param)
+        return EngineInputs([ids], params, bool(req.stream), include_usage)
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        check_model(req.model, self.name)
+        return encode_text(self.tokenizer, req.prompt, "prompt") if req.prompt else []
+
+    def detokenize(self, req: DetokenizeRequest) -> list[int]:
+        check_model(req.model, self.name)
+        self._check_token_ids(req.tokens, "tokens")
+        return req.tokens
+
+    # ---- prompts --------------------------------------------------------------------------
+
+    def _completion_prompts(
+        self, req: CompletionRequest
+    ) -> tuple[list[list[int]], list[str | None]]:
+        """The request's prompts as token ids, and their original text when given as text."""
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt must not be empty", "prompt")
+        if len(items) > self.settings.max_prompts:
+            raise bad_request(f"at most {self.settings.max_prompts} prompts per request", "prompt")
+        ids: list[list[int]] = []
+        texts: list[str | None] = []
+        for item in items:
+            if isinstance(item, str):
+                ids.append(encode_text(self.tokenizer, item, "prompt"))
+                texts.append(item)
+            else:
+                if not item:
+                    raise bad_request("a token-id prompt must not be empty", "prompt")
+                self._check_token_ids(item, "prompt")
+                ids.append(list(item))
+                texts.append(None)
+        return ids, texts
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for msg in req.messages:
+            if msg.content is None:
+                content = ""
+            elif isinstance(msg.content, str):
+                content = msg.content
+            else:
+                content = "".join(part.text for part in msg.content)
+            messages.append((msg.role, content))
+        return encode_text(self.tokenizer, self.template.render(messages), "messages")
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        if any(not self.tokenizer.is_valid(t) for t in ids):
+            raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", param)
+
+    def _check_fits(self, ids: list[int], max_tokens: int, prompt: str, tokens: str) -> None:
+        """The prompt within --max-prompt-tokens, prompt + max_tokens within the context and
+        within the whole KV pool; `prompt` and `tokens` name the two fields."""
+        n, limit = len(ids), self.settings.max_prompt_tokens
+        if limit is not None and n > limit:
+            raise bad_request(
+                f"the prompt has {n} tokens; this server accepts at most {limit}",
+                prompt,
+                code="prompt_too_long",
+            )
+        total, context = n + max_tokens, self.limits.max_model_len
+        if total > context:
+            raise bad_request(
+                f"this model's maximum context length is {context} tokens; the request asks for "
+                f"{n} prompt tokens plus {max_tokens} to generate",
+                tokens if n < context else prompt,
+                code="context_length_exceeded",
+            )
+        pool, blocks = self.limits.kv_cache_tokens, self.limits.kv_cache_blocks
+        if total > pool:
+            need = -(-total // self.limits.block_size)
+            raise bad_request(
+                f"the request needs {need} KV cache blocks ({total} tokens) but the pool has "
+                f"{blocks} ({pool} tokens); ask for fewer tokens",
+                tokens if n < pool else prompt,
+                code="kv_cache_exceeded",
+            )
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def _stream_options(self, req: SamplingFields) -> bool:
+        """Whether a stream ends with a usage chunk; stream_options needs stream: true."""
+        if req.stream_options is None:
+            return False
+        if not req.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        return req.stream_options.include_usage
+
+    def _logprobs_within_limit(self, value: int, param: str) -> None:
+        limit = self.settings.max_logprobs
+        if not 0 <= value <= limit:
+            raise bad_request(f"{param} must be between 0 and {limit}", param)
+
+    def _max_tokens(self, value: int | None, default: int, param: str) -> int:
+        limit = self.settings.max_tokens_limit
+        if value is None:
+            return default if limit is None else min(default, limit)
+        if value < 0:
+            raise bad_request(f"{param} must be >= 0", param)
+        if limit is not None and value > limit:
+            raise bad_request(f"{param} is limited to {limit}", param)
+        return value
+
+    def _sampling_params(
+        self,
+        req: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        extra_stop: tuple[str, ...] = (),
+    ) -> SamplingParams:
+        """The fields both endpoints share -> SamplingParams, within the limits and the
+        sampler's ranges."""
+        s, vocab = self.settings, self.limits.vocab_size
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= s.max_n:
+            raise bad_request(f"n must be between 1 and {s.max_n}", "n")
+        top_k = 0 if req.top_k is None else req.top_k
+        if top_k >= vocab:
+            top_k = 0  # keeping the whole vocabulary is no truncation
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=top_k,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(req.logit_bias),
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            stop=self._stop_strings(req.stop) + [x for x in extra_stop if x],
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            n=n,
+        )
+        try:
+            return params.validate(vocab)
+        except SamplingError as exc:
+            raise bad_request(f"{exc.param} {exc.message}", exc.param) from None
+
+    def _stop_strings(self, stop: str | list[str] | None) -> list[str]:
+        s = self.settings
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > s.max_stop:
+            raise bad_request(f"at most {s.max_stop} stop strings", "stop")
+        for text in stops:
+            if not text:
+                raise bad_request("stop strings must not be empty", "stop")
+            if len(text) > s.max_stop_length:
+                raise bad_request(
+                    f"stop strings are limited to {s.max_stop_length} characters", "stop"
+                )
+        return stops
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        if not bias:
+            return {}
+        limit = self.settings.max_logit_bias
+        if len(bias) > limit:
+            raise bad_request(f"at most {limit} logit_bias entries", "logit_bias")
+        out = {}
+        for key, value in bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+        return out
