@@ -10,13 +10,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.chat import ChatTemplate, ChatTemplateError
-from server.settings import SettingsError, settings_from_args
+from server.settings import Settings, SettingsError, build_parser, settings_from_args
 from tests.server.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,6 +168,44 @@ def test_settings_from_args_env_keys() -> None:
     assert s.api_keys == ["a", "b", "c"] and s.max_queue == 3 and s.host == "127.0.0.1"
     with pytest.raises(SettingsError):
         settings_from_args(["--kv-cache-gb", "0"], env={})
+
+
+def test_the_command_line_is_the_settings_dataclass() -> None:
+    assert settings_from_args([], env={}) == Settings()
+    flags = {a.dest: a for a in build_parser()._actions if a.option_strings and a.dest != "help"}
+    assert set(flags) == {f.name for f in fields(Settings)}
+    for f in fields(Settings):
+        if f.name != "api_keys":
+            assert flags[f.name].default == f.default, f.name
+    parsed = settings_from_args(
+        ["--max-n", "3", "--kv-cache-gb", "0.5", "--max-prompt-tokens", "9"]
+    )
+    assert (parsed.max_n, parsed.kv_cache_gb, parsed.max_prompt_tokens) == (3, 0.5, 9)
+    help_text = " ".join(build_parser().format_help().split())
+    assert (
+        "--max-concurrent-requests MAX_CONCURRENT_REQUESTS HTTP requests in flight (429 above"
+        in help_text
+    )
+    assert "(default: None)" not in help_text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-logprobs", "21"], "--max-logprobs must be between 0 and 20"),
+        (["--port", "-1"], "--port must be between 0 and 65535"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
+        (["--max-stop", "-1"], "--max-stop must be >= 0"),
+        (["--request-timeout", "0"], "--request-timeout must be > 0"),
+        (["--shutdown-grace", "-1"], "--shutdown-grace must be >= 0"),
+        (["--api-key", ""], "API keys must be non-empty"),
+    ],
+)
+def test_flag_ranges(args: list[str], message: str) -> None:
+    with pytest.raises(SettingsError) as exc:
+        settings_from_args(args, env={})
+    assert str(exc.value) == message
 
 
 def test_chat_template_default_and_file(tmp_path: Path) -> None:

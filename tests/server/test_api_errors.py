@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server.conftest import MODEL_NAME, LiveServer
 
 C, H = "/v1/completions", "/v1/chat/completions"
@@ -64,6 +65,9 @@ CASES = [
     (C, comp(echo="yes"), 400, "echo"),
     (C, comp(stream=1), 400, "stream"),
     (C, comp(stream_options={"include_usage": "y"}), 400, "stream_options"),
+    (C, comp(stream_options={"include_usage": True}), 400, "stream_options"),  # no stream
+    (C, comp(stream=False, stream_options={"include_usage": False}), 400, "stream_options"),
+    (C, comp(user=5), 400, "user"),
     (C, comp(min_tokens=10, max_tokens=5), 400, "min_tokens"),
     (C, comp(stop_token_ids=[99_999_999]), 400, "stop_token_ids"),
     (C, comp(ignore_eos="no"), 400, "ignore_eos"),
@@ -85,6 +89,10 @@ CASES = [
     (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (H, chat(response_format={"type": "json_object"}), 400, "response_format"),
     (H, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
+    (H, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (H, chat(max_tokens=0), 400, "max_tokens"),
+    (H, chat(max_tokens=None, max_completion_tokens=0), 400, "max_completion_tokens"),
+    (H, chat(stream_options={"include_usage": True}), 400, "stream_options"),  # no stream
     (H, chat(max_tokens=1000), 400, "max_tokens"),
     (H, chat(model="other"), 404, "model"),
     (H, chat(n=100), 400, "n"),
@@ -126,8 +134,21 @@ def test_malformed_request(
     assert err["type"] == "invalid_request_error"
 
 
-def test_catalogue_size() -> None:
-    assert len(CASES) >= 40
+def test_every_request_field_has_a_malformed_case() -> None:
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    params = {case[3] for case in CASES}
+    assert not fields - params, f"request fields with no malformed case: {fields - params}"
+
+
+def test_max_tokens_zero_scores_a_completions_prompt_but_is_a_400_for_chat(
+    server: LiveServer, headers: dict
+) -> None:
+    r = httpx.post(server.url + C, json=comp(max_tokens=0, echo=True), headers=headers, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi"
+    r = httpx.post(server.url + H, json=chat(max_tokens=0), headers=headers, timeout=30)
+    err = check_error_shape(r)
+    assert r.status_code == 400 and err["param"] == "max_tokens"
+    assert err["message"] == "max_tokens must be at least 1"
 
 
 def test_body_too_large(server: LiveServer, headers: dict) -> None:

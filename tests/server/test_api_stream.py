@@ -171,6 +171,7 @@ def test_health_metrics_tokenize(server: LiveServer, headers: dict) -> None:
         "gptserve_e2e_request_latency_seconds_count", "gptserve_num_requests_running",
         "gptserve_num_requests_waiting", "gptserve_kv_cache_usage_ratio", "gptserve_prompt_tokens_total",
         "gptserve_generation_tokens_total", "gptserve_engine_step_seconds_count",
+        "gptserve_preemptions_total", "gptserve_engine_failed_steps",
         'gptserve_requests_total{endpoint="completion",finish_reason="length",status="200"}',
     ):  # fmt: skip
         assert name in text, name

@@ -36,14 +36,24 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread(tiny_checkpoint: P
     try:
         assert isinstance(engine, Engine) and aeng.engine is engine
 
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
         async def one() -> list[int]:
-            params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
             return [t async for e in aeng.generate("a", [1, 2, 3], params) for t in e.token_ids]
 
-        assert len(asyncio.run(one())) == 3
+        tokens = asyncio.run(one())
     finally:
         aeng.stop()
     assert threads == {"build": "engine", "step": "engine"}
+    # the same request run on an Engine directly: the same greedy tokens
+    model.forward_cached = original
+    offline = Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=2, num_blocks=16))
+    offline.add_request("b", [1, 2, 3], params)
+    expected = []
+    while offline.has_work():
+        expected += [t for e in offline.step() for t in e.token_ids]
+    assert len(tokens) == 3 and tokens == expected
+    assert aeng.limits.max_model_len == 256 and aeng.limits.kv_cache_blocks == 16
 
 
 def test_a_failing_build_is_raised_by_start_and_the_thread_ends():
@@ -96,3 +106,22 @@ def test_stop_while_the_engine_is_being_built_leaves_no_engine_running(
     starter.join(10)
     assert state.aeng is None and not state.ready
     assert engine_threads() <= before
+
+
+def test_a_request_the_engine_refuses_ends_each_completion_with_an_error(tiny_checkpoint: Path):
+    """The HTTP layer checks requests first (server.validation); should one still reach the
+    engine and be refused there, each of its completions gets one error event."""
+    model = load_checkpoint(tiny_checkpoint)
+    aeng = AsyncEngine(lambda: Engine(model, get_tokenizer(), EngineConfig(num_blocks=16)))
+    aeng.start()
+    try:
+        params = SamplingParams(max_tokens=10, n=2)
+
+        async def run() -> list:
+            return [e async for e in aeng.generate("long", [1] * 300, params)]
+
+        events = asyncio.run(run())
+    finally:
+        aeng.stop()
+    assert sorted(e.index for e in events) == [0, 1]
+    assert all(e.finished and "maximum context length is 256" in e.error for e in events)

@@ -34,7 +34,7 @@ def test_default_model_is_small_and_trained(shakespeare_path: Path) -> None:
     assert loss.item() < 5.5  # an untrained model scores about ln(50257) = 10.8
 
 
-def test_python_m_server_serves_the_default_model() -> None:
+def test_python_m_server_serves_the_default_model(shakespeare_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "--port", str(port)],
@@ -58,11 +58,19 @@ def test_python_m_server_serves_the_default_model() -> None:
             raise AssertionError("the server did not become healthy in 120 s")
         models = httpx.get(f"{url}/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == DEFAULT_MODEL_DIR.name
+        # it is the trained model that answers: it scores unseen Shakespeare well
+        text = shakespeare_path.read_text()
+        passage = text[-len(text) // 20 :][:600]  # about 200 tokens: within the 256 context
+        body = {"prompt": passage, "max_tokens": 0, "echo": True, "logprobs": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        scores = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+        assert -sum(scores) / len(scores) < 5.5  # an untrained model: about ln(50257) = 10.8
         body = {"prompt": "ROMEO:\n", "max_tokens": 40, "temperature": 0.8, "seed": 3}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200
-        text = r.json()["choices"][0]["text"]
-        assert len(text.split()) >= 5
+        out = r.json()
+        assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] <= 40
     finally:
         proc.terminate()
         proc.wait(timeout=60)

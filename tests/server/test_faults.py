@@ -5,6 +5,7 @@ stay in flight long enough to be interfered with."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -189,6 +190,41 @@ def test_requests_that_fit_the_small_pool_run(small_pool_server: LiveServer) -> 
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["total_tokens"] <= POOL_BLOCKS * 16
+    assert small_pool_server.wait_blocks_free()
+
+
+def metric_value(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_preemptions_are_counted_in_metrics_and_logged(
+    small_pool_server: LiveServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three requests of 70 tokens (5 blocks each) in a 6-block pool: they are admitted
+    together, then run out of blocks; the newest are preempted and recomputed, all finish."""
+    url = small_pool_server.url
+    before = metric_value(
+        httpx.get(f"{url}/metrics", timeout=10).text, "gptserve_preemptions_total"
+    )
+    body = {"prompt": [1] * 10, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="server.engine"):
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120), range(3)
+                )
+            )
+    assert [r.status_code for r in answers] == [200] * 3
+    texts = {r.json()["choices"][0]["text"] for r in answers}
+    assert len(texts) == 1  # recomputed sequences continue exactly as the others
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in answers)
+    after = metric_value(httpx.get(f"{url}/metrics", timeout=10).text, "gptserve_preemptions_total")
+    logged = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    assert after > before
+    assert logged and "for lack of KV cache blocks" in logged[0]
+    counted = sum(int(m.split()[1]) for m in logged)
+    assert counted == after - before
     assert small_pool_server.wait_blocks_free()
 
 

@@ -6,7 +6,9 @@ import sys
 import pytest
 import torch
 
-from model import GPT, ModelConfig, save_checkpoint
+from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
+from model.sampling import SamplingParams
+from server.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +36,25 @@ def test_generates_the_same_text_for_the_same_seed(tiny_dir):
     assert first.stdout == second.stdout
 
 
+def test_greedy_output_is_the_engines(tiny_dir):
+    out = _run("--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "0")
+    assert out.returncode == 0, out.stderr
+    tok = get_tokenizer()
+    engine = Engine(load_checkpoint(tiny_dir), tok)
+    engine.add_request("g", tok.encode("To be"), SamplingParams(temperature=0, max_tokens=12))
+    text = ""
+    while engine.has_work():
+        text += "".join(e.text for e in engine.step())
+    assert text and out.stdout == text + "\n"
+
+
 def test_n_completions(tiny_dir):
     out = _run("--model", str(tiny_dir), "x", "--n", "2", "--max-tokens", "4", "--seed", "1")
     assert out.returncode == 0, out.stderr
-    assert "--- completion 0 ---" in out.stdout and "--- completion 1 ---" in out.stdout
+    head, rest = out.stdout.split("--- completion 0 ---\n")
+    first, second = rest.split("--- completion 1 ---\n")
+    assert head == "" and first.strip() and second.strip()
+    assert first != second  # each completion draws from its own seeded generator
 
 
 @pytest.mark.parametrize(

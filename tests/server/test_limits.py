@@ -1,12 +1,14 @@
 """Every protective limit: a flag with a documented default, enforced with an OpenAI-shaped 4xx.
 
 One server runs with every limit set low; each case sends a request just over one limit (and,
-where it makes sense, one just within it) and checks the status, `param` and that docs/API.md
-documents the flag.
+where it makes sense, one just within it) and checks the status, `param`, that the flag's help
+states that status and that docs/API.md documents the flag. The limits the CLI has are the flags
+of its "request limits" group; each of them has a case here or a named test elsewhere.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.settings import Settings, build_parser
+from server.settings import LIMITS_GROUP, Settings, build_parser
 from tests.server.conftest import MODEL_NAME, LiveServer, live_server, slow_steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,6 +29,8 @@ LIMITS = dict(
     max_logit_bias=3,
     max_body_bytes=2000,
     max_concurrent_requests=2,
+    max_prompts=2,
+    max_logprobs=2,
 )
 
 
@@ -60,7 +64,21 @@ CASES = [
     ),
     ("max-body-bytes", body(user="x" * 1800), body(user="x" * 2000), 413, None, 0),
     ("max-concurrent-requests", body(), body(), 429, None, 2),
+    ("max-prompts", body(prompt=["a", "b"]), body(prompt=["a", "b", "c"]), 400, "prompt", 0),
+    ("max-logprobs", body(logprobs=2), body(logprobs=3), 400, "logprobs", 0),
 ]
+# limit flags whose cases need a server of their own: flag -> "module::test" that checks it
+COVERED_ELSEWHERE = {
+    "max-queue": "test_api_overload::test_queue_full_then_recovers",
+    "request-timeout": "test_faults::test_non_streaming_request_past_the_timeout_is_504",
+    "body-timeout": "test_faults::test_a_body_that_stops_arriving_gets_408_and_frees_its_slot",
+}
+
+
+def limit_flags() -> dict[str, str]:
+    """The CLI's request-limit flags (without dashes) and their help texts."""
+    group = next(g for g in build_parser()._action_groups if g.title == LIMITS_GROUP)
+    return {a.option_strings[0][2:]: a.help for a in group._group_actions}
 
 
 @pytest.mark.parametrize(
@@ -76,9 +94,9 @@ def test_limit(
     hold: int,
 ) -> None:
     url = f"{limited.url}/v1/completions"
-    options = {a.dest: a for a in build_parser()._actions}
-    assert flag.replace("-", "_") in options, f"--{flag} is not a server flag"
-    assert f"`--{flag}`" in (REPO / "docs" / "API.md").read_text(), f"--{flag} is not documented"
+    flags = limit_flags()
+    assert flag in flags, f"--{flag} is not a request-limit flag of the server"
+    assert f"{status} " in flags[flag], f"--{flag}'s help does not say it answers {status}"
     if not hold:
         r = httpx.post(url, json=within, timeout=30)
         assert r.status_code == 200, r.text
@@ -104,8 +122,17 @@ def test_limit(
     assert limited.wait_blocks_free()
 
 
-def test_every_limit_flag_is_covered() -> None:
-    flags = {c[0] for c in CASES}
-    limit_flags = {a.option_strings[0][2:] for a in build_parser()._actions if a.option_strings}
-    assert flags <= limit_flags
-    assert {"max-prompts", "max-logprobs"} <= limit_flags  # covered by test_api_errors
+def test_every_limit_flag_is_covered_and_documented() -> None:
+    flags = limit_flags()
+    covered = {c[0] for c in CASES} | set(COVERED_ELSEWHERE)
+    assert not set(flags) - covered, f"limit flags without a test: {set(flags) - covered}"
+    assert not covered - set(flags), f"cases for flags the CLI lacks: {covered - set(flags)}"
+    api = (REPO / "docs" / "API.md").read_text()
+    for flag in flags:
+        assert f"`--{flag}`" in api, f"--{flag} is not documented in docs/API.md"
+    for flag, where in COVERED_ELSEWHERE.items():
+        module_name, test_name = where.split("::")
+        module = importlib.import_module(f"tests.server.{module_name}")
+        assert callable(getattr(module, test_name, None)), f"{where} does not exist"
+        source = (Path(module.__file__)).read_text()
+        assert f"{flag.replace('-', '_')}=" in source, f"{module_name} never sets --{flag}"
