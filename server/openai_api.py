@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from model.sampling import SamplingParams
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import APIError, error_body
 from server.protocol import (
@@ -26,10 +25,11 @@ from server.protocol import (
 from server.sequence import TokenEvent
 from server.state import ServerState
 from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
-from server.validation import EngineInputs
+from server.validation import EngineInputs, Validator
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_RESPONSES = {**SSE_RESPONSE, **COMPLETION_ERRORS}
 
 
 def sse(obj: object, ascii_only: bool = False) -> bytes:
@@ -57,16 +57,8 @@ class Job:
     timeout: float
 
     @property
-    def prompts(self) -> list[list[int]]:
-        return self.inputs.prompts
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.inputs.params
-
-    @property
     def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+        return sum(len(p) for p in self.inputs.prompts)
 
     def usage(self) -> dict:
         done = self.tracker.completion_tokens
@@ -80,13 +72,13 @@ class Job:
         """Record an event; returns the choice and where its new text and logprobs begin."""
         choice = self.tracker.choices[index]
         text_start, lp_start = len(choice.text), len(choice.lp_tokens)
-        p = index // self.params.n
+        p = index // self.inputs.params.n
         if event.prompt_logprobs is not None:
             prompt_lps[p] = event.prompt_logprobs
         echo = self.inputs.echo_texts
         if echo is not None and text_start == 0:
-            lps = prompt_lps.get(p) if self.params.prompt_logprobs is not None else None
-            self.tracker.add_prompt(choice, self.prompts[p], echo[p], lps)
+            lps = prompt_lps.get(p) if self.inputs.params.prompt_logprobs is not None else None
+            self.tracker.add_prompt(choice, self.inputs.prompts[p], echo[p], lps)
         self.tracker.update(choice, event)
         return choice, text_start, lp_start
 
@@ -104,7 +96,7 @@ class Job:
         return out
 
     def logprobs(self, choice: Choice, start: int = 0) -> dict | None:
-        if self.params.logprobs is None:
+        if self.inputs.params.logprobs is None:
             return None
         if self.kind == "completion":
             return self.tracker.completion_logprobs(choice, start)
@@ -128,9 +120,14 @@ def _check_queue(state: ServerState, aeng: AsyncEngine) -> None:
 
 
 async def _answer(
-    state: ServerState, aeng: AsyncEngine, kind: str, inputs: EngineInputs, request: Request
+    state: ServerState,
+    kind: str,
+    validate: Callable[[Validator], EngineInputs],
+    request: Request,
 ) -> Response:
-    """Queue an accepted request and answer it: a stream, or the whole completion."""
+    """Check a request, queue it and answer it: a stream, or the whole completion."""
+    aeng = state.require_ready()
+    inputs = validate(state.validator)
     _check_queue(state, aeng)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
@@ -141,10 +138,7 @@ async def _answer(
         tracker, state.settings.request_timeout,
     )  # fmt: skip
     if inputs.stream:
-        delta = _completion_delta if kind == "completion" else _chat_delta
-        return StreamingResponse(
-            _stream(job, delta), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return StreamingResponse(_stream(job), media_type="text/event-stream", headers=SSE_HEADERS)
     await _collect(job, request)
     choices = [_whole_choice(job, c) for c in job.tracker.choices]
     obj = "text_completion" if kind == "completion" else "chat.completion"
@@ -168,26 +162,16 @@ def _whole_choice(job: Job, c: Choice) -> dict:
     return {**body, "logprobs": job.logprobs(c), "finish_reason": c.finish_reason}
 
 
-@router.post(
-    "/v1/completions",
-    response_model=CompletionResponse,
-    responses={**SSE_RESPONSE, **COMPLETION_ERRORS},
-)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
-    aeng = state.require_ready()
-    return await _answer(state, aeng, "completion", state.validator.completion(body), request)
+    return await _answer(state, "completion", lambda v: v.completion(body), request)
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=ChatCompletionResponse,
-    responses={**SSE_RESPONSE, **COMPLETION_ERRORS},
-)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
-    aeng = state.require_ready()
-    return await _answer(state, aeng, "chat", state.validator.chat(body), request)
+    return await _answer(state, "chat", lambda v: v.chat(body), request)
 
 
 async def _collect(job: Job, request: Request) -> None:
@@ -196,7 +180,9 @@ async def _collect(job: Job, request: Request) -> None:
     endpoint = job.kind
     try:
         async with aclosing(
-            merged_events(job.aeng, job.id, job.prompts, job.params, job.timeout, watch=request)
+            merged_events(
+                job.aeng, job.id, job.inputs.prompts, job.inputs.params, job.timeout, watch=request
+            )
         ) as events:
             async for index, event in events:
                 choice, _, _ = job.apply(index, event, prompt_lps)
@@ -217,41 +203,25 @@ async def _collect(job: Job, request: Request) -> None:
     job.tracker.finish(endpoint, 200)
 
 
-DeltaFn = Callable[[Job, Choice, TokenEvent, int, int], "dict | None"]
-
-
-def _completion_delta(
+def _delta(
     job: Job, choice: Choice, event: TokenEvent, text_start: int, lp_start: int
 ) -> dict | None:
+    """A stream chunk's choice with what the event released; None when it released nothing
+    yet (a held-back stop-string prefix or partial character)."""
     text = "".join(choice.text[text_start:])
     lps = job.logprobs(choice, lp_start)
-    if not text and event.finish_reason is None and not (lps and lps["tokens"]):
-        return None  # nothing released yet (a held-back stop-string prefix or partial character)
-    return {
-        "index": choice.index,
-        "text": text,
-        "logprobs": lps,
-        "finish_reason": event.finish_reason,
-    }
-
-
-def _chat_delta(
-    job: Job, choice: Choice, event: TokenEvent, text_start: int, lp_start: int
-) -> dict | None:
-    text = "".join(choice.text[text_start:])
-    lps = job.logprobs(choice, lp_start)
-    if not text and event.finish_reason is None and not (lps and lps["content"]):
+    new_lps = lps and lps["tokens" if job.kind == "completion" else "content"]
+    if not text and event.finish_reason is None and not new_lps:
         return None
-    delta = {"content": text} if text or event.finish_reason is None else {}
-    return {
-        "index": choice.index,
-        "delta": delta,
-        "logprobs": lps,
-        "finish_reason": event.finish_reason,
-    }
+    if job.kind == "completion":
+        body: dict = {"index": choice.index, "text": text}
+    else:
+        delta = {"content": text} if text or event.finish_reason is None else {}
+        body = {"index": choice.index, "delta": delta}
+    return {**body, "logprobs": lps, "finish_reason": event.finish_reason}
 
 
-async def _stream(job: Job, delta: DeltaFn) -> AsyncIterator[bytes]:
+async def _stream(job: Job) -> AsyncIterator[bytes]:
     """SSE chunks; errors after the start are one error event, then [DONE]."""
     status: int | str = 200
     prompt_lps: dict = {}
@@ -269,13 +239,13 @@ async def _stream(job: Job, delta: DeltaFn) -> AsyncIterator[bytes]:
             yield sse(job.chunk(opening))
         try:
             async with aclosing(
-                merged_events(job.aeng, job.id, job.prompts, job.params, job.timeout)
+                merged_events(job.aeng, job.id, job.inputs.prompts, job.inputs.params, job.timeout)
             ) as events:
                 async for index, event in events:
                     choice, text_start, lp_start = job.apply(index, event, prompt_lps)
                     if choice.error is not None:
                         raise _engine_error(choice.error)
-                    piece = delta(job, choice, event, text_start, lp_start)
+                    piece = _delta(job, choice, event, text_start, lp_start)
                     if piece is not None:
                         yield sse(job.chunk([piece]))
         except RequestTimeout:

@@ -60,22 +60,15 @@ def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
     return tokenizer.encode(text)
 
 
+@dataclass(frozen=True)
 class Validator:
     """Checks requests for one served model against the server's and the engine's limits."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        limits: EngineLimits,
-        name: str,
-        tokenizer: Tokenizer,
-        template: ChatTemplate,
-    ) -> None:
-        self.settings = settings
-        self.limits = limits
-        self.name = name
-        self.tokenizer = tokenizer
-        self.template = template
+    settings: Settings
+    limits: EngineLimits
+    name: str  # the served model's name
+    tokenizer: Tokenizer
+    template: ChatTemplate
 
     # ---- endpoints ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import uvicorn
@@ -79,6 +81,23 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:  # noqa: ANN001
             return True
         time.sleep(0.01)
     return False
+
+
+def wait_for_server(
+    url: str, proc: subprocess.Popen, timeout: float = 60.0, ready: bool = True
+) -> None:
+    """Poll `url`/health until it answers 200 (or, with ready=False, answers at all); fails if
+    the process exits first or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200 or not ready:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not answer in {timeout:g} s"
+        time.sleep(0.1)
 
 
 @contextmanager

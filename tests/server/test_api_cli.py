@@ -18,7 +18,7 @@ import pytest
 
 from server.chat import ChatTemplate, ChatTemplateError
 from server.settings import Settings, SettingsError, build_parser, settings_from_args
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,15 +104,8 @@ def start_gated_server(gate: Path, *args: str) -> tuple[subprocess.Popen, str]:
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            httpx.get(f"{url}/health", timeout=1)
-            return proc, url
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, "the port never answered"
-            time.sleep(0.05)
+    wait_for_server(url, proc, ready=False)
+    return proc, url
 
 
 def test_health_answers_loading_over_http_until_the_model_serves(
@@ -233,16 +226,7 @@ def test_sigterm_drains_stream_and_exits_0(tiny_checkpoint: Path) -> None:
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
+        wait_for_server(url, proc)
         body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}
         received: list[str] = []
         first = threading.Event()

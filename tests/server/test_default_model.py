@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 from model import get_tokenizer, load_checkpoint
 from server import DEFAULT_MODEL_DIR
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,17 +44,7 @@ def test_python_m_server_serves_the_default_model(shakespeare_path: Path) -> Non
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("the server did not become healthy in 120 s")
+        wait_for_server(url, proc, timeout=120)
         models = httpx.get(f"{url}/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == DEFAULT_MODEL_DIR.name
         # it is the trained model that answers: it scores unseen Shakespeare well
