@@ -1,28 +1,30 @@
 #!/usr/bin/env python
 """`python train.py ...`: train a GPT on text into a directory the server serves as is.
 
-The command line over the `training` package; `python train.py --help` (text in training/args.py)
-and docs/TRAINING.md describe the flags and what is written.
+The command line over the `training` package: flags become a TrainConfig (training/args.py, whose
+text `--help` prints) and training/loop.py runs it; docs/TRAINING.md describes what is written.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch.distributed as dist
 
-from training.args import resolve_args
+from training.args import parse_config
+from training.distributed import Dist, join_process_group, on_every_rank
 from training.errors import TrainError
 from training.loop import train
 
 
 def main(argv: list[str] | None = None) -> int:
+    info = Dist()
     try:
-        args = resolve_args(argv)
-        train(args)
+        info = join_process_group()  # under torchrun; first, so that every error reaches rank 0
+        cfg = on_every_rank(lambda: parse_config(argv))
+        train(cfg, info)
     except TrainError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if info.master:
             print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -52,8 +52,7 @@ def ours(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, compile_: b
     module = LossModule(model)
     if compile_:
         module.compile()
-    opt_args = argparse.Namespace(lr=6e-4, weight_decay=0.1, beta1=0.9, beta2=0.95)
-    optimizer = make_optimizer(model, opt_args, device.type)
+    optimizer = make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -1,4 +1,15 @@
-"""The parts of `train.py`: flags, data, the training step, state on disk, metrics, setup, loop.
+"""The parts of `train.py`, one concern each; imports only point down this list (no cycles):
 
-`train.py` is the command line over them; `training.loop.train` is the whole run.
+    errors       TrainError, the one error a user can fix
+    config       TrainConfig, every setting of a run, frozen once built
+    distributed  ranks under torchrun; parts run on rank 0 or on every rank
+    state        train_state.pt and the served checkpoints on disk
+    metrics      metrics.jsonl and loss.png
+    args         the flags, parsed into a TrainConfig (with --resume, merged with the saved run)
+    data         tokenized data, the split, the batch sampler
+    setup        device, precision, the starting model, the --out check
+    step         the optimizer, the LR schedule, one update, evaluation, a text sample
+    loop         the run, top to bottom
+
+`train.py` is the command line: `parse_config` then `loop.train`.
 """

@@ -3,7 +3,6 @@ split, and a seeded, restorable sampler of (B, T) windows."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
 import os
@@ -12,12 +11,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from model import get_tokenizer
+from training.distributed import Dist, on_every_rank, on_rank0
 from training.errors import TrainError
-from training.setup import Dist
 
 
 def find_text_files(path: Path) -> list[Path]:
@@ -143,18 +141,28 @@ class BatchSampler:
         self.rng.bit_generator.state = state
 
 
-def prepare_data(a: argparse.Namespace, info: Dist, out: Path) -> np.ndarray:
-    """Tokenize on rank 0 (others wait), then memory-map the token file on every rank."""
-    files = find_text_files(Path(a.data))
-    cache = Path(a.cache_dir) if a.cache_dir else out / "cache"
-    result: list[Any] = [None]
-    if info.master:
-        try:
-            result = [str(tokenize_cached(files, cache))]
-        except TrainError as exc:
-            result = [exc]
-    if dist.is_initialized():
-        dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], Exception):
-        raise TrainError(str(result[0]))
-    return np.memmap(result[0], dtype=np.uint16, mode="r")
+def prepare_data(data: Path, cache_dir: Path, info: Dist) -> np.ndarray:
+    """Tokenize on rank 0, then memory-map the token file on every rank.
+
+    Ranks on other nodes read the file rank 0 wrote, under their own cache_dir: a node that does
+    not see it (no shared filesystem) stops the run with an error that says so.
+    """
+    name, size = on_rank0(lambda: _tokenized(data, cache_dir), info)
+    path = cache_dir / name
+
+    def check() -> None:
+        seen = path.stat().st_size if path.is_file() else None
+        if seen != size:
+            found = "it is missing" if seen is None else f"it has {seen} bytes, not {size}"
+            raise TrainError(
+                f"the token file rank 0 wrote is not here: {path} ({found}); every node must "
+                f"see --cache-dir (default OUT/cache) and --out on a shared filesystem"
+            )
+
+    on_every_rank(check)
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _tokenized(data: Path, cache_dir: Path) -> tuple[str, int]:
+    path = tokenize_cached(find_text_files(data), cache_dir)
+    return path.name, path.stat().st_size

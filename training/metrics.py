@@ -1,4 +1,4 @@
-"""metrics.jsonl (one JSON line per logged step) and loss.png."""
+"""metrics.jsonl (one JSON line per logged step, appended) and loss.png (redrawn from it)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
 
 
 def append_metrics(path: Path, row: dict[str, Any]) -> None:

@@ -1,61 +1,36 @@
-"""Device, process group, autocast and the model a run starts from; the --out directory check."""
+"""The device, the autocast precision and the model a run starts from; the --out directory check."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from model import GPT, CheckpointError, ConfigError, ModelConfig, load_checkpoint
-from training.args import ARCH_KEYS, DTYPES, arch, model_config
+from training.config import DTYPES, TrainConfig, arch
+from training.distributed import Dist
 from training.errors import TrainError
 from training.state import STATE_FILE
 
 
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def setup_device(a: argparse.Namespace) -> tuple[torch.device, Dist]:
-    """Resolve --device and, under torchrun (RANK/WORLD_SIZE set), join the process group."""
-    if a.device == "cuda" and not torch.cuda.is_available():
+def pick_device(name: str, info: Dist) -> torch.device:
+    """--device: "cuda" (this rank's GPU), "cpu", or "auto" (CUDA when there is one)."""
+    if name == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device cuda: no CUDA device is available")
-    use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    info = Dist()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        info = Dist(
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ.get("LOCAL_RANK", 0)),
-        )
-    if use_cuda:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(info.local_rank)
-        device = torch.device("cuda", info.local_rank)
-    else:
-        device = torch.device("cpu")
-    if info.world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    return device, info
+        return torch.device("cuda", info.local_rank)
+    return torch.device("cpu")
 
 
 def autocast_for(
-    a: argparse.Namespace, device: torch.device
+    name: str, device: torch.device
 ) -> tuple[contextlib.AbstractContextManager, torch.amp.GradScaler | None]:
-    name = a.dtype
+    """--dtype as an autocast context, and the GradScaler that float16 needs."""
     if name == "auto":
         if device.type == "cuda":
             name = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
@@ -69,28 +44,26 @@ def autocast_for(
     return ctx, scaler
 
 
-def build_model(a: argparse.Namespace, vocab_size: int, state: dict[str, Any] | None) -> GPT:
-    if state is not None and "config" in state:  # --resume: the saved model, dropout may change
-        return GPT(replace(ModelConfig.from_dict(state["config"]), dropout=a.dropout))
-    if not a.init_from:
-        torch.manual_seed(a.seed)  # same initial weights on every rank
-        return GPT(model_config(a, vocab_size))
+def build_model(cfg: TrainConfig, vocab_size: int, state: dict[str, Any] | None) -> GPT:
+    """The saved model (--resume), the --init-from checkpoint, or fresh weights from cfg."""
+    if state is not None:  # --resume: the saved model; dropout may change
+        return GPT(replace(ModelConfig.from_dict(state["config"]), dropout=cfg.dropout))
+    if cfg.init_from is None:
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        return GPT(cfg.model_config(vocab_size))
     try:
-        loaded = load_checkpoint(a.init_from)
+        loaded = load_checkpoint(cfg.init_from)
     except CheckpointError as exc:
         raise TrainError(f"--init-from: {exc}") from None
-    model = GPT(replace(loaded.config, dropout=a.dropout))
+    model = GPT(replace(loaded.config, dropout=cfg.dropout))
     model.load_state_dict(loaded.state_dict())
-    a.block_size = model.config.block_size
-    for key in ARCH_KEYS:  # saved with the run, so --resume rebuilds the same model
-        setattr(a, key, getattr(model.config, key))
     return model
 
 
-def check_out_dir(out: Path, config: ModelConfig, a: argparse.Namespace) -> None:
-    """Refuse to overwrite a different model in --out unless it is being fine-tuned from."""
+def check_out_dir(out: Path, config: ModelConfig) -> None:
+    """Refuse to start a new run over a different model in --out."""
     cfg = out / "config.json"
-    if a.resume or a.init_from or not cfg.is_file():
+    if not cfg.is_file():
         return
     try:
         existing = ModelConfig.from_json(cfg)
@@ -103,7 +76,7 @@ def check_out_dir(out: Path, config: ModelConfig, a: argparse.Namespace) -> None
             f"--out {out} holds a different model ({k}={getattr(existing, k)}, this run "
             f"{getattr(config, k)}); use another --out, --resume it, or --init-from it"
         )
-    if (out / STATE_FILE).is_file() and int(os.environ.get("RANK", "0")) == 0:
+    if (out / STATE_FILE).is_file():
         print(
             f"note: {out} holds a run; starting over (use --resume to continue it)", file=sys.stderr
         )

@@ -1,25 +1,20 @@
-"""What a run keeps on disk: the served checkpoints and train_state.pt (weights, optimizer, RNG
-and sampler states of every rank), each written atomically."""
+"""What a run keeps on disk for --resume: train_state.pt (weights, optimizer, the run's flags, the
+RNG and sampler states of every rank) and the served checkpoints, each written atomically."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from model import GPT, save_checkpoint
 from model.checkpoint import atomic_write
 from training.errors import TrainError
 
-if TYPE_CHECKING:
-    from training.data import BatchSampler
-
 STATE_FILE = "train_state.pt"
-METRICS_FILE = "metrics.jsonl"
 BEST_DIR = "best"
 
 
@@ -28,17 +23,35 @@ def atomic_torch_save(obj: Any, target: Path) -> None:
     atomic_write(target, lambda tmp: torch.save(obj, tmp))
 
 
-def read_train_state(out: Path) -> dict[str, Any]:
+def read_train_state(out: Path, mmap: bool = False) -> dict[str, Any]:
+    """train_state.pt of the run in `out`; with mmap, tensors are read only when touched."""
     path = out / STATE_FILE
     if not path.is_file():
         raise TrainError(f"nothing to resume: {path} does not exist (drop --resume to start)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises many types for corrupt files
         raise TrainError(f"cannot read {path}: {exc}".splitlines()[0]) from None
 
 
+def read_saved_flags(out: Path) -> dict[str, Any]:
+    """The flags the run in `out` was started with (its weights stay on disk)."""
+    return read_train_state(out, mmap=True)["args"]
+
+
+def save_served(model: GPT, path: Path, dtype: torch.dtype) -> None:
+    """The server's checkpoint (config.json + model.safetensors) in `dtype`."""
+    if dtype == torch.float32:
+        save_checkpoint(model, path)
+        return
+    with torch.random.fork_rng(devices=[]):  # building a copy must not move the training RNG
+        copy = GPT(model.config)
+    copy.load_state_dict(model.state_dict())
+    save_checkpoint(copy.to(dtype), path)
+
+
 def rng_state() -> dict[str, Any]:
+    """The global RNGs of this process, as plain tensors and lists."""
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
@@ -55,24 +68,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     s = state["numpy"]
     np.random.set_state((s[0], np.array(s[1], dtype=np.uint32), *s[2:]))
     random.setstate(state["python"])
-
-
-def save_served(model: GPT, path: Path, dtype: torch.dtype) -> None:
-    """The server's checkpoint (config.json + model.safetensors) in `dtype`."""
-    if dtype == torch.float32:
-        save_checkpoint(model, path)
-        return
-    with torch.random.fork_rng(devices=[]):  # building a copy must not move the training RNG
-        copy = GPT(model.config)
-    copy.load_state_dict(model.state_dict())
-    save_checkpoint(copy.to(dtype), path)
-
-
-def gather_rank_states(sampler: BatchSampler) -> list[dict[str, Any]]:
-    """Every rank's sampler and RNG state, on every rank (rank 0 saves them)."""
-    mine = {"sampler": sampler.state_dict(), "rng": rng_state()}
-    if not dist.is_initialized():
-        return [mine]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return states

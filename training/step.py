@@ -3,7 +3,6 @@ and a short text sample."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 
@@ -13,6 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, get_tokenizer
+from training.config import TrainConfig
 from training.data import BatchSampler
 
 
@@ -27,24 +27,26 @@ class LossModule(nn.Module):
         return self.model.loss(x, y)
 
 
-def make_optimizer(model: nn.Module, a: argparse.Namespace, device_type: str) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices (>= 2-D), fused kernels where available."""
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
+) -> torch.optim.AdamW:
+    """AdamW with fused kernels; weight decay only on matrices (>= 2-D)."""
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)
 
 
-def lr_at(step: int, a: argparse.Namespace) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps."""
-    if step < a.warmup_steps:
-        return a.lr * (step + 1) / a.warmup_steps
-    if step >= a.max_steps:
-        return a.min_lr
-    ratio = (step - a.warmup_steps) / max(1, a.max_steps - a.warmup_steps)
-    return a.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (a.lr - a.min_lr)
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to final_lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return cfg.final_lr
+    ratio = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.final_lr)
 
 
 def train_step(

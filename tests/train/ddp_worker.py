@@ -9,7 +9,6 @@ global batches, which must give the same update (DDP averages the ranks' mean gr
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -20,7 +19,6 @@ from model import GPT, ModelConfig
 from training.step import LossModule, make_optimizer, train_step
 
 CONFIG = ModelConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32)
-OPT = argparse.Namespace(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95)
 GLOBAL_ROWS = 4  # rows per micro-batch over all ranks
 MICRO_BATCHES = 2  # gradient accumulation inside each step
 STEPS = 2
@@ -55,7 +53,7 @@ def run(module: torch.nn.Module, model: GPT, rank: int, world: int) -> dict[str,
     The gradients are compared as well as the weights because AdamW's update hardly depends on
     the gradients' scale: a sum-instead-of-mean bug would barely move the weights.
     """
-    optimizer = make_optimizer(model, OPT, "cpu")
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
     losses, norms, first_grads = [], [], {}
     for step in global_batches():
         loss, norm, applied = train_step(

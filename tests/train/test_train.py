@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import train
 import training.data
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
-from training.args import resolve_args
+from training.args import parse_config
 from training.data import find_text_files, tokenize_cached
 from training.state import BEST_DIR, STATE_FILE
 from training.step import LossModule, lr_at, make_optimizer
@@ -351,7 +351,7 @@ def test_tokenize_cache_is_reused_and_keyed_on_content(
 
 
 def test_lr_schedule_and_weight_decay_groups() -> None:
-    a = resolve_args(
+    a = parse_config(
         [
             "--data",
             "x",
@@ -374,7 +374,7 @@ def test_lr_schedule_and_weight_decay_groups() -> None:
     lrs = [lr_at(s, a) for s in range(10, 111)]
     assert all(x >= y for x, y in zip(lrs, lrs[1:]))
     model = GPT(ModelConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
-    opt = make_optimizer(model, a, "cpu")
+    opt = make_optimizer(model, a.lr, a.weight_decay, (a.beta1, a.beta2))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"])

@@ -1,0 +1,141 @@
+"""TrainConfig: every setting of a run, typed, validated once and never changed afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from model import ConfigError, ModelConfig
+from training.errors import TrainError
+
+# The fields that make two runs the same model; --resume cannot change them.
+ARCH_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "pos_encoding",
+    "activation",
+    "norm_position",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATH_KEYS = ("data", "out", "cache_dir", "init_from")
+POSITIVE_KEYS = (
+    "max_steps",
+    "batch_size",
+    "grad_accum",
+    "eval_interval",
+    "eval_iters",
+    "log_interval",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+)
+NON_NEGATIVE_KEYS = ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip", "min_lr")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: Path
+    data: Path
+    cache_dir: Path | None = None  # None: OUT/cache
+    max_steps: int = 5000
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    compile: bool = False
+    # model (ignored with init_from, which brings its own architecture)
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 256
+    dropout: float = 0.0
+    pos_encoding: Literal["learned", "sinusoidal"] = "learned"
+    activation: Literal["gelu", "relu"] = "gelu"
+    norm_position: Literal["pre", "post"] = "pre"
+    init_from: Path | None = None
+    # optimization
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr: float | None = None  # None: lr / 10
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0: off
+    seed: int = 1337
+    threads: int | None = None  # None: torch's choice
+    # evaluation and output
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    sample_tokens: int = 48
+    val_fraction: float = 0.1
+    save_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    resume: bool = False  # this run continues the one saved in out
+
+    def __post_init__(self) -> None:
+        for key in POSITIVE_KEYS:
+            if getattr(self, key) <= 0:
+                raise TrainError(f"--{flag(key)} must be positive, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise TrainError(f"--lr must be positive, got {self.lr}")
+        for key in NON_NEGATIVE_KEYS:
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise TrainError(f"--{flag(key)} must be >= 0, got {value}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise TrainError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.threads is not None and self.threads <= 0:
+            raise TrainError(f"--threads must be positive, got {self.threads}")
+        if not self.init_from:
+            try:
+                self.model_config()
+            except ConfigError as exc:
+                raise TrainError(str(exc)) from None
+
+    @property
+    def final_lr(self) -> float:
+        """Where the cosine schedule ends: --min-lr, else a tenth of --lr."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    @property
+    def token_cache(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.out / "cache"
+
+    def model_config(self, vocab_size: int = 50257) -> ModelConfig:
+        """The model these flags describe (not used with init_from)."""
+        return ModelConfig(
+            vocab_size=vocab_size,
+            block_size=self.block_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            dropout=self.dropout,
+            pos_encoding=self.pos_encoding,
+            activation=self.activation,
+            norm_position=self.norm_position,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (paths as strings): train_state.pt is read with weights_only=True."""
+        d = asdict(self)
+        return {k: str(v) if k in PATH_KEYS and v is not None else v for k, v in d.items()}
+
+
+def field_names() -> set[str]:
+    return {f.name for f in fields(TrainConfig)}
+
+
+def flag(key: str) -> str:
+    """ "max_steps" -> "max-steps"."""
+    return key.replace("_", "-")
+
+
+def arch(config: ModelConfig) -> dict[str, Any]:
+    """The fields that make two model configs the same model (dropout is a training choice)."""
+    return {k: v for k, v in asdict(config).items() if k != "dropout"}

@@ -1,0 +1,79 @@
+"""Ranks under torchrun: joining the process group, and running a part of the run on rank 0 or on
+every rank so that a TrainError on any rank stops all of them with one message (rank 0 prints it)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from training.errors import TrainError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def join_process_group() -> Dist:
+    """Under torchrun (RANK and WORLD_SIZE set) join the process group; else one process."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Dist()
+    info = Dist(
+        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    )
+    if info.world > 1 and not dist.is_initialized():
+        # gloo carries CPU tensors (and the small objects below), NCCL the CUDA ones.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    return info
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, on every rank (a list of one outside torchrun)."""
+    if not dist.is_initialized():
+        return [obj]
+    objs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+def on_rank0(fn: Callable[[], T], info: Dist) -> T:
+    """fn() on rank 0 only; its result, or the TrainError it raised, on every rank."""
+    box: list[Any] = [None]
+    if info.master:
+        try:
+            box = [(fn(), None)]
+        except TrainError as exc:
+            box = [(None, (str(exc), exc.exit_code))]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    result, error = box[0]
+    if error is not None:
+        raise TrainError(*error)
+    return result
+
+
+def on_every_rank(fn: Callable[[], T]) -> T:
+    """fn() on every rank; a TrainError on any rank is raised on all of them (the lowest failing
+    rank's message, prefixed with its rank when rank 0 did not fail)."""
+    try:
+        result, error = fn(), None
+    except TrainError as exc:
+        result, error = None, (str(exc), exc.exit_code)
+    for rank, failed in enumerate(all_gather(error)):
+        if failed is not None:
+            message, code = failed
+            raise TrainError(message if rank == 0 else f"rank {rank}: {message}", code)
+    return result
