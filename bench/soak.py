@@ -186,18 +186,24 @@ async def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -
     raise RuntimeError("server did not become ready")
 
 
-async def kv_usage_after(url: str, timeout: float = 10.0) -> tuple[float, dict]:
-    """KV cache usage ratio from /metrics once the server is idle (bounded wait), and /health."""
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled metric in Prometheus text."""
+    line = next(x for x in text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+async def after_run(url: str, timeout: float = 10.0) -> tuple[float, float, dict]:
+    """KV cache usage ratio and preemptions from /metrics once the server is idle (bounded
+    wait), and /health."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=5) as client:
         while True:
             text = (await client.get(f"{url}/metrics")).text
-            line = next(x for x in text.splitlines() if x.startswith("gptserve_kv_cache_usage"))
-            usage = float(line.split()[-1])
+            usage = metric(text, "gptserve_kv_cache_usage_ratio")
             health = (await client.get(f"{url}/health")).json()
             idle = health.get("running") == 0 and health.get("waiting") == 0
             if (usage == 0 and idle) or time.monotonic() > deadline:
-                return usage, health
+                return usage, metric(text, "gptserve_preemptions_total"), health
             await asyncio.sleep(0.1)
 
 
@@ -222,7 +228,7 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
             rss["warm"] = now
     await asyncio.gather(*tasks)
     wall = time.monotonic() - t0
-    usage, health = await kv_usage_after(url)
+    usage, preemptions, health = await after_run(url)
     rss["end"] = rss_mib(pid)
     rss.setdefault("warm", rss["end"])
     return {
@@ -231,6 +237,7 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
         "rss": rss,
         "peak": peak,
         "kv_usage": usage,
+        "preemptions": preemptions,
         "health": health,
         "max_len": max_len,
     }
@@ -264,6 +271,7 @@ def report(args: argparse.Namespace, r: dict) -> bool:
         ("KV cache usage after run", f"{r['kv_usage']:.3f}", "0"),
         ("running / waiting after run", f"{r['health']['running']} / {r['health']['waiting']}", ""),
         ("failed engine steps", str(r["health"]["failed_steps"]), "0"),
+        ("preemptions (KV pool full)", f"{r['preemptions']:.0f}", ""),
     ]
     width = max(len(a) for a, _, _ in rows)
     print(f"\nsoak: {args.clients} streaming clients, context {r['max_len']} tokens")
