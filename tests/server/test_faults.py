@@ -20,6 +20,7 @@ import torch
 
 from model.cache import KVCache
 from server.settings import Settings
+from server.state import LoadedModel, ModelLoadError
 from tests.server.conftest import (
     API_KEY,
     MODEL_NAME,
@@ -343,3 +344,26 @@ def test_a_body_that_stops_arriving_gets_408_and_frees_its_slot(timeout_server: 
         f"{timeout_server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
     )
     assert quick.status_code == 200
+
+
+# ---- a checkpoint that fails to load ---------------------------------------------------------
+
+
+def test_a_checkpoint_that_fails_to_load_is_reported_by_health_and_the_api(
+    tiny_checkpoint: Path,
+) -> None:
+    def broken(settings: Settings) -> LoadedModel:
+        raise ModelLoadError("model.safetensors is unreadable or truncated")
+
+    settings = Settings(model=str(tiny_checkpoint))
+    with live_server(settings, loader=broken, wait_ready=False) as live:
+        assert wait_until(lambda: live.state.load_error is not None)
+        health = httpx.get(f"{live.url}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json() == {
+            "status": "failed", "error": "model.safetensors is unreadable or truncated",
+        }  # fmt: skip
+        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "a"}, timeout=10)
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == "model_load_failed" and "truncated" in err["message"]
