@@ -188,16 +188,13 @@ def test_sigkill_then_resume_gives_the_same_loss_curve(
     assert ref.wait() == 0
     a, b = read_metrics(full), read_metrics(killed)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 31))
-    for ra, rb in zip(a, b):
-        assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-5, abs=1e-5)
-        assert rb["lr"] == pytest.approx(ra["lr"])
-        assert ("val_loss" in ra) == ("val_loss" in rb)
-        if "val_loss" in ra:
-            assert rb["val_loss"] == pytest.approx(ra["val_loss"], rel=1e-5, abs=1e-5)
+    for ra, rb in zip(a, b):  # bit for bit, as docs/TRAINING.md says
+        assert {k: v for k, v in ra.items() if k != "tokens_per_s"} == {
+            k: v for k, v in rb.items() if k != "tokens_per_s"
+        }
     sa = load_file(str(full / "model.safetensors"))
     sb = load_file(str(killed / "model.safetensors"))
-    for key in sa:
-        torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-5)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
 
 
 @pytest.mark.parametrize(
