@@ -9,7 +9,8 @@ not depend on where its blocks lie or on what else is in the batch.
 
 The allocator hands out the lowest free blocks (`model.cache.BlockAllocator`), so the blocks of a
 batch usually form one run at the front of the pool, which is read in place, holes included
-(masked). When the run is over twice the blocks in use, those blocks are gathered instead.
+(masked). When the run is over twice the blocks in use, or sequences share blocks (a cached
+prompt prefix), those blocks are gathered instead.
 
 Slots past a sequence's length in its last block may hold anything, even NaN. Their scores are
 masked; their values are set to zero in the pool, since 0 * NaN is NaN. Nothing lives there: the
@@ -53,7 +54,10 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
 
     first, last = int(blocks.min()), int(blocks.max()) + 1
     n_used = blocks.numel()
-    if last - first <= 2 * n_used:  # read the run in place; rows are its blocks, holes masked
+    # a row is one pool block of one sequence: blocks that sequences share (a cached prefix) need
+    # a row per sequence, so such a batch gathers
+    shared = torch.unique(blocks).numel() < n_used
+    if last - first <= 2 * n_used and not shared:  # read the run in place; holes masked
         n_rows = last - first
         row = blocks - first  # (U,) the row of each used block
         run, gather = (first, last), None

@@ -2,59 +2,25 @@
 
 A sequence's keys and values live in blocks that need not be contiguous nor in order; its block
 table lists them. Running out of blocks raises `OutOfBlocks` before anything is changed, so the
-engine can preempt a sequence and retry; no sequence ever writes into another's blocks.
+engine can preempt a sequence and retry.
+
+Prefix caching: once a block is full, it is keyed by its tokens and every token before them
+(`register_full_blocks`). A new sequence takes the longest run of keyed blocks that matches its
+prompt (`reuse_prefix`) and computes only the rest. Shared blocks are read only: a sequence
+writes only into blocks it holds alone, and one that would write into a shared block (the last,
+partly filled block of a prompt that n > 1 completions share) first gets a copy of its own.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kernels.metadata import AttentionMetadata
+from model.block_pool import BlockAllocator, OutOfBlocks
 
-
-class OutOfBlocks(RuntimeError):
-    """The block pool cannot hold what was asked; nothing was allocated."""
-
-
-class BlockAllocator:
-    """Hands out and takes back block ids; the free block earliest in `order` goes out first.
-
-    Handing out the earliest free block keeps the blocks in use packed at the front of the pool,
-    so CPU decode attention can read them as one run, in place (`kernels.paged_decode_cpu`).
-    """
-
-    def __init__(self, num_blocks: int, order: Sequence[int] | None = None) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        order = list(range(num_blocks)) if order is None else list(order)
-        if sorted(order) != list(range(num_blocks)):
-            raise ValueError("order must be a permutation of range(num_blocks)")
-        self.num_blocks = num_blocks
-        self._order = order
-        self._rank = {block: rank for rank, block in enumerate(order)}
-        self._free = list(range(num_blocks))  # ranks of free blocks, a min-heap
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        blocks = [self._order[heapq.heappop(self._free)] for _ in range(n)]
-        self._used.update(blocks)
-        return blocks
-
-    def free(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            if b not in self._used:
-                raise ValueError(f"block {b} is not allocated")
-            self._used.remove(b)
-            heapq.heappush(self._free, self._rank[b])
+__all__ = ["BlockAllocator", "KVCache", "OutOfBlocks"]
 
 
 class KVCache:
@@ -75,6 +41,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         block_order: Sequence[int] | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         stored = (n_layer, num_blocks, n_head, block_size, head_dim)
         self.k = torch.zeros(stored, device=device, dtype=dtype).transpose(2, 3)
@@ -82,8 +49,12 @@ class KVCache:
         self.block_size = block_size
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks, block_order)
+        self.prefix_caching = prefix_caching
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        self._keys: dict[int, list[int]] = {}  # seq_id -> key of each of its full blocks, in order
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens found there
 
     @staticmethod
     def bytes_per_block(
@@ -106,43 +77,111 @@ class KVCache:
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables.get(seq_id, []))
 
+    def holds(self, seq_id: int) -> bool:
+        """Whether the cache has a block table for this sequence."""
+        return seq_id in self._tables
+
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Blocks that appending new_tokens to seq_id would take from the pool."""
-        total = self.seq_len(seq_id) + new_tokens
-        have = len(self._tables.get(seq_id, ()))
-        return max(0, -(-total // self.block_size) - have)
+        length = self.seq_len(seq_id)
+        table = self._tables.get(seq_id, ())
+        fresh = max(0, -(-(length + new_tokens) // self.block_size) - len(table))
+        return fresh + int(new_tokens > 0 and self._shared_tail(seq_id) is not None)
+
+    def _shared_tail(self, seq_id: int) -> int | None:
+        """The index in seq_id's table of the partly filled block it shares, if it has one."""
+        length, table = self.seq_len(seq_id), self._tables.get(seq_id, ())
+        i = length // self.block_size
+        if length % self.block_size and self.allocator.ref(table[i]) > 1:
+            return i
+        return None
 
     def free(self, seq_id: int) -> None:
-        """Return all of a sequence's blocks to the pool (no-op for unknown ids)."""
+        """Let go of all of a sequence's blocks (no-op for unknown ids)."""
         blocks = self._tables.pop(seq_id, None)
         self._lens.pop(seq_id, None)
+        self._keys.pop(seq_id, None)
         if blocks:
             self.allocator.free(blocks)
 
     def fork(self, src: int, dst: int) -> None:
-        """Give new sequence dst a copy of src's cached tokens, in blocks of its own."""
+        """Give new sequence dst src's cached tokens: it shares src's blocks (copied on write)."""
         if dst in self._tables:
             raise ValueError(f"sequence {dst} already has blocks")
         table = self._tables.get(src, [])
-        blocks = self.allocator.allocate(len(table))
-        if table:
-            old = torch.tensor(table, device=self.device)
-            new = torch.tensor(blocks, device=self.device)
-            self.k[:, new] = self.k[:, old]
-            self.v[:, new] = self.v[:, old]
-        self._tables[dst] = blocks
+        for block in table:
+            self.allocator.hold(block)
+        self._tables[dst] = list(table)
         self._lens[dst] = self._lens.get(src, 0)
+        self._keys[dst] = list(self._keys.get(src, []))
+
+    def reuse_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Give a sequence with no blocks the cached blocks that match its tokens' prefix.
+
+        Returns how many tokens are now cached for it: a multiple of the block size, and always
+        fewer than len(token_ids), so at least one token is left to compute (it gives the logits).
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if not self.prefix_caching:
+            return 0
+        bs = self.block_size
+        keys: list[int] = []
+        blocks: list[int] = []
+        for i in range((len(token_ids) - 1) // bs):
+            key = self._block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
+            block = self.allocator.lookup(key)
+            if block is None:
+                break
+            keys.append(key)
+            blocks.append(block)
+        for block in blocks:
+            self.allocator.hold(block)
+        self._tables[seq_id] = blocks
+        self._lens[seq_id] = len(blocks) * bs
+        self._keys[seq_id] = keys
+        self.prefix_queried_tokens += len(token_ids)
+        self.prefix_hit_tokens += len(blocks) * bs
+        return len(blocks) * bs
+
+    def register_full_blocks(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')."""
+        if not self.prefix_caching:
+            return
+        keys, table = self._keys.setdefault(seq_id, []), self._tables.get(seq_id, [])
+        bs = self.block_size
+        for i in range(len(keys), self.seq_len(seq_id) // bs):
+            keys.append(
+                self._block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
+            )
+            self.allocator.set_key(table[i], keys[-1])
+
+    @staticmethod
+    def _block_key(parent: int | None, tokens: Sequence[int]) -> int:
+        """A block's key: a hash of its tokens and of its parent block's key (so: of every token
+        before it). 64-bit; a collision would need two prefixes of equal hash chains."""
+        return hash((parent, tuple(tokens)))
+
+    def audit(self) -> None:
+        """Assert the pool's invariants (reference counts match the tables; see BlockAllocator)."""
+        self.allocator.audit(b for table in self._tables.values() for b in table)
+        for seq_id, table in self._tables.items():
+            assert len(table) == -(-self.seq_len(seq_id) // self.block_size), "a table is torn"
 
     def prepare(self, batch: Sequence[tuple[int, int]]) -> AttentionMetadata:
         """Reserve room for (seq_id, new_tokens) pairs and describe the step to attention.
 
-        All or nothing: raises OutOfBlocks with the cache unchanged if the pool is too small.
+        All or nothing: raises OutOfBlocks with the cache unchanged if the pool is too small. A
+        sequence about to write into a block it shares gets its own copy of that block first.
         """
         needed = sum(self.blocks_needed(s, n) for s, n in batch)
         if needed > self.allocator.num_free:
             raise OutOfBlocks(f"batch needs {needed} KV blocks, {self.allocator.num_free} free")
         for seq_id, n_new in batch:
             table = self._tables.setdefault(seq_id, [])
+            shared = self._shared_tail(seq_id) if n_new else None
+            if shared is not None:
+                self._copy_on_write(table, shared)
             table.extend(self.allocator.allocate(self.blocks_needed(seq_id, n_new)))
             self._lens[seq_id] = self._lens.get(seq_id, 0) + n_new
         return AttentionMetadata.build(
@@ -152,6 +191,14 @@ class KVCache:
             self.block_size,
             self.device,
         )
+
+    def _copy_on_write(self, table: list[int], i: int) -> None:
+        """Replace shared block table[i] by a copy held by this table alone."""
+        (block,) = self.allocator.allocate(1)
+        self.k[:, block] = self.k[:, table[i]]
+        self.v[:, block] = self.v[:, table[i]]
+        self.allocator.free([table[i]])
+        table[i] = block
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -207,6 +207,7 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         block_order: list[int] | None = None,
+        prefix_caching: bool = True,
     ) -> KVCache:
         """A KV cache sized for this model."""
         p = next(self.parameters())
@@ -220,4 +221,5 @@ class GPT(nn.Module):
             device=device or p.device,
             dtype=dtype or p.dtype,
             block_order=block_order,
+            prefix_caching=prefix_caching,
         )

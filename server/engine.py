@@ -39,6 +39,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: max_num_seqs full contexts within kv_cache_bytes
     kv_cache_bytes: int = 2 << 30
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
 
 
 @dataclass
@@ -87,7 +88,9 @@ class Engine:
             )
             full = config.max_num_seqs * -(-self.max_len // config.block_size)
             num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
-        self.cache = model.make_cache(num_blocks, config.block_size)
+        self.cache = model.make_cache(
+            num_blocks, config.block_size, prefix_caching=config.prefix_caching
+        )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
         self.eos = tokenizer.eot_token
         self.device = param.device
@@ -223,6 +226,7 @@ class Engine:
                 end = chunk.first_row + chunk.num_rows
                 self._score_prompt(req, seq.num_cached, logits[chunk.first_row : end])
             seq.num_cached += chunk.num_tokens
+            self.cache.register_full_blocks(seq.seq_id, seq.token_ids)
             if not chunk.completes:
                 continue
             last = chunk.first_row + chunk.num_rows - 1
@@ -305,6 +309,8 @@ class Engine:
         event = TokenEvent(
             req.request_id, seq.index, token_ids, text, lps, finish, error,
             num_prompt_tokens=len(req.prompt_ids), num_generated=seq.num_generated,
+            num_cached_tokens=req.seqs[0].num_prefix_hit,
+            text_offsets=seq.text_offsets[len(seq.text_offsets) - len(token_ids) :],
         )  # fmt: skip
         if req.params.prompt_logprobs is not None and not req.prompt_lp_sent and seq.index == 0:
             event.prompt_logprobs = req.prompt_lp

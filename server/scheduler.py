@@ -2,7 +2,8 @@
 
 Every step: running sequences decode one token each; sequences still prefilling get chunks of
 their prompt within a token budget; waiting sequences are admitted while there is room (sequence
-slots, token budget, KV blocks). When the cache cannot hold the step, the newest running sequence
+slots, token budget, KV blocks). A sequence being admitted first takes whatever prefix of its
+tokens the cache already holds (`KVCache.reuse_prefix`) and prefills only the rest. When the cache cannot hold the step, the newest running sequence
 is preempted: its blocks are freed and it is requeued at the front, to be recomputed later.
 """
 
@@ -88,23 +89,27 @@ class Scheduler:
     def _admit(self, items: list[tuple[Sequence, int]]) -> None:
         """Move waiting sequences into the batch while slots, budget and blocks allow."""
         budget = self.max_batch_tokens - sum(n for _, n in items)
-        free = self.cache.num_free_blocks - sum(
-            self.cache.blocks_needed(s.seq_id, n) for s, n in items
-        )
+        reserved = sum(self.cache.blocks_needed(s.seq_id, n) for s, n in items)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            # prompt logprobs need every prompt position computed: such requests reuse nothing
+            if not self.cache.holds(seq.seq_id) and seq.params.prompt_logprobs is None:
+                seq.num_cached = self.cache.reuse_prefix(seq.seq_id, seq.token_ids)
+                if seq.num_generated == 0:
+                    seq.num_prefix_hit = seq.num_cached
             n = min(seq.pending, budget)
             need = self.cache.blocks_needed(seq.seq_id, n)
+            free = self.cache.num_free_blocks - reserved  # reused blocks are no longer free
             # a block of headroom per running sequence, so an admission does not force preemption
-            if need + len(self.running) > free and self.running:
-                break
-            if need > free:
+            if need > free or (need + len(self.running) > free and self.running):
+                self.cache.free(seq.seq_id)  # give back what it reused; it waits as it was
+                seq.num_cached = 0
                 break
             self.waiting.popleft()
             self.running.append(seq)
             items.append((seq, n))
             budget -= n
-            free -= need
+            reserved += need
 
     def _preempt(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)

@@ -44,6 +44,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
     num_generated: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     text_offsets: list[int] = field(default_factory=list)
@@ -72,6 +73,7 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
         self.num_cached = 0  # tokens whose keys/values are in the KV cache
+        self.num_prefix_hit = 0  # prompt tokens found in the prefix cache at first admission
         self.generator: torch.Generator | None = params.make_generator(index)
         self.finish_reason: str | None = None
         self._tokenizer = tokenizer

@@ -101,3 +101,16 @@ def test_the_dispatch_reads_leading_decodes_in_place_and_gathers_the_rest(
     read_in_place = plans["cpu_decode"].seq_rows.shape[0] if "cpu_decode" in plans else 0
     assert read_in_place == (in_place if head_major else 0)
     assert ("sdpa_gather" in plans) == (in_place < 3 or not head_major)
+
+
+def test_sequences_sharing_blocks_gather_and_match_the_reference():
+    # three sequences over one cached prefix (blocks 2 and 0), each with a last block of its own
+    k = torch.randn(8, 2, 4, 8).transpose(1, 2)  # head-major pools (blocks, page 4, H 2, D 8)
+    v = torch.randn(8, 2, 4, 8).transpose(1, 2)
+    tables = [[2, 0, 5], [2, 0, 1], [2, 3]]
+    meta = AttentionMetadata.build(tables, [11, 10, 6], [1, 1, 1], block_size=4)
+    q = torch.randn(3, 2, 8)
+    ref = paged_attention_reference(q, k, v, meta)
+    out = decode_attention_cpu(q, k, v, meta)
+    assert meta.plans["cpu_decode"].run is None  # shared blocks: gathered, one row per holder
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
