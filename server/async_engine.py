@@ -51,6 +51,8 @@ class StepStats:
     events: list[TokenEvent]
     seconds: float
     preempted: int  # sequences preempted (requeued to be recomputed) by this step
+    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache by this step
+    prefix_hit: int = 0  # of those, tokens found there
 
 
 class AsyncEngine:
@@ -187,12 +189,12 @@ class AsyncEngine:
                     command()
                 if self.engine.has_work():
                     t0 = time.perf_counter()
-                    preempted = self.engine.num_preemptions
+                    before = self._counts()
                     events = self.engine.step()
                     self._deliver(events)
                     if self.on_step is not None:
-                        preempted = self.engine.num_preemptions - preempted
-                        self.on_step(StepStats(events, time.perf_counter() - t0, preempted))
+                        counts = (now - then for now, then in zip(self._counts(), before))
+                        self.on_step(StepStats(events, time.perf_counter() - t0, *counts))
                 else:
                     self._wake.wait(0.1)
                     self._wake.clear()
@@ -201,6 +203,11 @@ class AsyncEngine:
             self.dead = f"engine stopped: {exc}"
             for rid, (_, _, n) in list(self._streams.items()):
                 self._deliver([TokenEvent(rid, i, [], "", [], error=self.dead) for i in range(n)])
+
+    def _counts(self) -> tuple[int, int, int]:
+        """The engine's running totals that StepStats reports per step."""
+        cache = self.engine.cache
+        return self.engine.num_preemptions, cache.prefix_queried_tokens, cache.prefix_hit_tokens
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:

@@ -51,6 +51,13 @@ class Metrics:
             "gptserve_preemptions",
             "Sequences preempted for lack of KV cache blocks (to be recomputed).",
         )
+        self.prefix_queries = counter(
+            "gptserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "gptserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not recomputed).",
+        )
         self.requests = counter(
             "gptserve_requests", "Finished requests by HTTP status and finish reason.",
             ("endpoint", "status", "finish_reason"),
@@ -61,7 +68,8 @@ class Metrics:
         self.running = gauge("gptserve_num_requests_running", "Sequences decoding.")
         self.waiting = gauge("gptserve_num_requests_waiting", "Sequences waiting.")
         self.kv_usage = gauge(
-            "gptserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use."
+            "gptserve_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks held by sequences (cached prefixes nobody holds are free).",
         )
         self.failed_steps = gauge("gptserve_engine_failed_steps", "Engine steps that raised.")
 
@@ -81,6 +89,9 @@ class Metrics:
             self.generation_tokens.inc(generated)
         if stats.preempted:
             self.preemptions.inc(stats.preempted)
+        if stats.prefix_queried:
+            self.prefix_queries.inc(stats.prefix_queried)
+            self.prefix_hits.inc(stats.prefix_hit)
 
     def count_request(self, endpoint: str, status: int | str, finish_reason: str | None) -> None:
         self.requests.labels(endpoint, str(status), finish_reason or "none").inc()

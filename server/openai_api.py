@@ -62,10 +62,13 @@ class Job:
 
     def usage(self) -> dict:
         done = self.tracker.completion_tokens
+        n = self.inputs.params.n  # choices p*n .. p*n + n-1 share prompt p
+        cached = sum(c.num_cached_tokens for c in self.tracker.choices[::n])
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def apply(self, index: int, event: TokenEvent, prompt_lps: dict) -> tuple[Choice, int, int]:

@@ -134,10 +134,15 @@ SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
 }
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):

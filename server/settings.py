@@ -84,6 +84,10 @@ class Settings:
         2.0, "KV cache memory bound (GiB); a request larger than the pool is a 400",
         group="engine", positive=True,
     )  # fmt: skip
+    no_prefix_cache: bool = flag(
+        False, "turn off automatic prefix caching (reusing the KV blocks of prompt prefixes "
+        "seen before)", group="engine",
+    )  # fmt: skip
     # per-request limits (None: the model's context length)
     max_queue: int = flag(256, "waiting sequences; at or above it 429", group="limits", low=1)
     max_logprobs: int = flag(
@@ -169,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["metavar"] = flag_name(f).upper().replace("-", "_")
         if f.default_factory is not MISSING:  # a list: a repeatable flag
             kwargs.update(action="append", default=[])
+        elif hints[f.name] is bool:  # a switch
+            kwargs.pop("metavar")
+            kwargs.update(action="store_true", default=f.default)
         else:
             kwargs.update(type=_scalar_type(hints[f.name]), default=f.default)
         groups[meta["group"]].add_argument(f"--{flag_name(f)}", **kwargs)

@@ -142,6 +142,7 @@ class ServerState:
             max_batch_tokens=s.max_batch_tokens,
             block_size=s.block_size,
             kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
+            prefix_caching=not s.no_prefix_cache,
         )
         aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config))
         aeng.start()  # the Engine is built in the engine thread (see server.async_engine)

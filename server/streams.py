@@ -122,6 +122,7 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     num_generated: int = 0
+    num_cached_tokens: int = 0  # of its prompt's tokens, those read from the prefix cache
     text_base: int = 0  # characters before the generated text (an echoed prompt)
     last_token_at: float | None = None
 
@@ -161,6 +162,7 @@ class Tracker:
             self._add_logprobs(choice, event.token_ids, event.logprobs, offsets)
         choice.text.append(event.text)
         choice.num_generated = event.num_generated
+        choice.num_cached_tokens = event.num_cached_tokens
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
         if event.error is not None:
