@@ -128,9 +128,10 @@ async def run_level(url: str, level: Level, max_tokens: int) -> None:
         level.wall = time.perf_counter() - t0
 
 
-def start_server(path: Path, port: int) -> subprocess.Popen:
+def start_server(path: Path, port: int, *flags: str) -> subprocess.Popen:
+    """`python -m server` on 127.0.0.1:port with more flags; returns once it serves."""
     cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port),
-           "--max-num-seqs", "32", "--log-level", "warning"]  # fmt: skip
+           "--max-num-seqs", "32", "--log-level", "warning", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -144,6 +145,12 @@ def start_server(path: Path, port: int) -> subprocess.Popen:
         time.sleep(0.2)
     proc.kill()
     raise SystemExit("server did not become ready")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -163,9 +170,7 @@ def main() -> None:
     levels = [Level(c, max(4, c if c >= 8 else 4 * c)) for c in args.concurrency]
     retain_freed_memory()  # as `python -m server` does
     offline = Offline(path, args.max_tokens)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = start_server(path, port)
     try:
         url = f"http://127.0.0.1:{port}"
