@@ -111,6 +111,7 @@ def copy_bandwidth_gbs() -> float:
 def bench_paged(
     batches, contexts, n_head=16, head_dim=128, page=16, max_tokens=4 << 20
 ) -> list[dict]:
+    from kernels.metadata import AttentionMetadata
     from kernels.paged import triton_paged_attention
 
     dtype = torch.float16
@@ -130,16 +131,10 @@ def bench_paged(
                 print(f"{batch:>6} {ctx:>7} {tokens:>9} | skipped: more than {max_tokens} tokens")
                 continue
             per_seq = -(-ctx // page)
-            perm = torch.randperm(num_blocks, device="cuda")[: batch * per_seq]
-            tables = perm.view(batch, per_seq).to(torch.int32)
-            ctx_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-            starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            perm = torch.randperm(num_blocks)[: batch * per_seq].view(batch, per_seq)
+            meta = AttentionMetadata.build(perm.tolist(), [ctx] * batch, [1] * batch, page, "cuda")
             q = torch.randn(batch, n_head, head_dim, device="cuda", dtype=dtype)
-            ms = bench_ms(
-                lambda q=q, t=tables, c=ctx_lens, s=starts: triton_paged_attention(
-                    q, k_cache, v_cache, t, c, s
-                )
-            )
+            ms = bench_ms(lambda q=q, meta=meta: triton_paged_attention(q, k_cache, v_cache, meta))
             nbytes = 2 * tokens * n_head * head_dim * k_cache.element_size()
             gbs = nbytes / ms / 1e6
             rows.append(dict(batch=batch, ctx=ctx, tokens=tokens, gbs=gbs, frac=gbs / copy_gbs))

@@ -1,649 +1,249 @@
 """Fused attention in Triton: forward with an online softmax, backward for dQ, dK and dV.
 
 Layout: q (B, H, Tq, D), k and v (B, H, Tk, D), any strides (the model hands in transposed
-views). One program owns BLOCK_M queries of one (batch, head) and walks over key blocks, keeping
-a running max `m`, a running denominator `l` and an fp32 accumulator. The causal mask is
-bottom-right aligned (query i sees keys 0 .. i + Tk - Tq); key blocks entirely above the diagonal
-are never visited (the loop bound stops before them), and blocks entirely below it run without
-a mask.
+views). One program owns BLOCK_M queries of one (batch, head) and walks over key blocks with the
+online softmax of `kernels.softmax`. The causal mask is bottom-right aligned (query i sees keys
+0 .. i + Tk - Tq). Each loop over tiles runs in two passes: tiles wholly below the diagonal with
+no mask, and the tiles that touch it with one; tiles wholly above it are never visited.
 
 The forward stores the log-sum-exp of every row (base 2, scores pre-multiplied by log2(e)) so the
 backward can rebuild the probabilities without a second softmax pass:
   preprocess: delta = rowsum(dO * O)
   dK, dV:     one program per key block, looping over the query blocks that can see it
   dQ:         one program per query block, looping over the key blocks it sees
-Two backward kernels instead of one with atomics: deterministic, and no fp32 dQ scratch buffer.
+The last two are one kernel launched twice (DQ_PASS). Separate dQ programs instead of atomics:
+deterministic, and no fp32 dQ scratch buffer, at the price of computing Q K^T twice.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-# The running max starts finite: a row whose first tiles are fully masked then gets
-# exp2(-inf - NEG_BIG) = 0 instead of exp2(-inf - -inf) = NaN.
-NEG_BIG = tl.constexpr(-1.0e30)
+from kernels.softmax import LOG2E, dot_precision, softmax_finish, softmax_init, softmax_update
+
+Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
 
 
 @triton.jit
-def _fwd_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    K,
-    V,
-    stride_kt,
-    stride_kd,
-    stride_vt,
-    stride_vd,
-    offs_n,
-    offs_d,
-    q_pos,
-    lo,
-    hi,
-    TK,
-    qk_scale,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    for start_n in range(lo, hi, BLOCK_N):
-        kn = start_n + offs_n  # (BLOCK_N,)
-        kv_ok = kn < TK
-        if EVEN_D:
-            kt_mask = kv_ok[None, :]
-            v_mask = kv_ok[:, None]
-        else:
-            kt_mask = kv_ok[None, :] & (offs_d[:, None] < HEAD_DIM)
-            v_mask = kv_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-        kt = tl.load(
-            K + offs_d[:, None] * stride_kd + kn[None, :] * stride_kt, mask=kt_mask, other=0.0
-        )  # (BLOCK_D, BLOCK_N)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        if MASKED:
-            ok = kv_ok[None, :]
-            if CAUSAL:
-                ok = ok & (kn[None, :] <= q_pos[:, None])
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + kn[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=v_mask, other=0.0
-        )  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, l_i, m_i
+def _tile(ptr, rows, cols, stride_r, stride_c):
+    """Pointers to ptr[rows, cols]: (len(rows), len(cols))."""
+    return ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+
+
+@triton.jit
+def _program_head(H):
+    """(batch * H + head, batch, head) of this program's grid axis 0, all int64."""
+    bh = tl.program_id(0).to(tl.int64)
+    return bh, bh // H, bh % H
+
+
+@triton.jit
+def _query_block(CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query row of this program's block (grid axis 1)."""
+    pid_m = tl.program_id(1)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first
+        pid_m = tl.num_programs(1) - 1 - pid_m
+    return pid_m * BLOCK_M
+
+
+@triton.jit
+def _key_passes(start_m, TQ, TK, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N):
+    """(n_full, end) for query rows start_m ..: keys [0, n_full) need no mask, [n_full, end) do."""
+    full_tk = (TK // BLOCK_N) * BLOCK_N  # keys in whole blocks
+    if CAUSAL:
+        shift = TK - TQ  # bottom-right alignment: query row i sits at key position i + shift
+        # blocks whose every key is <= the first query's position need no mask
+        n_full = tl.minimum(tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N, full_tk)
+        # nothing beyond the last real query's position is visited at all
+        end = tl.minimum(TK, tl.minimum(start_m + BLOCK_M, TQ) + shift)
+    else:
+        n_full = full_tk
+        end = TK
+    return n_full, end
 
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
-    H,
-    TQ,
-    TK,
-    qk_scale,
-    CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    pid_m = tl.program_id(1)
-    if CAUSAL:  # the last query blocks see the most keys: launch them first
-        pid_m = tl.num_programs(1) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    O += b * stride_ob + h * stride_oh
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    H, TQ, TK, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    start_m = _query_block(CAUSAL, BLOCK_M)
+    bh, b, h = _program_head(H)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM  # no mask along the head dim
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     row_ok = offs_m < TQ
-    if EVEN_D:
-        q_mask = row_ok[:, None]
-    else:
-        q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(
-        Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0
-    )  # (BLOCK_M, BLOCK_D)
+    q_mask = row_ok[:, None] if EVEN_D else row_ok[:, None] & d_ok[None, :]
+    Q += b * stride_qb + h * stride_qh
+    q = tl.load(_tile(Q, offs_m, offs_d, stride_qt, stride_qd), mask=q_mask, other=0.0)
+    # key block 0, transposed (BLOCK_D, BLOCK_N), and value block 0 (BLOCK_N, BLOCK_D)
+    kt_ptrs = _tile(K + b * stride_kb + h * stride_kh, offs_d, offs_n, stride_kd, stride_kt)
+    v_ptrs = _tile(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vt, stride_vd)
+    q_pos = offs_m + TK - TQ  # (BLOCK_M,) key position of each query (bottom-right aligned)
+    n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    shift = TK - TQ  # bottom-right alignment: query row i sits at key position i + shift
-    q_pos = offs_m + shift
-    full_tk = (TK // BLOCK_N) * BLOCK_N  # keys in whole blocks
-    if CAUSAL:
-        # blocks whose every key is <= the first query's position need no mask
-        n_full = tl.minimum(tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N, full_tk)
-        # nothing beyond the last real query's position is visited at all
-        hi = tl.minimum(TK, tl.minimum(start_m + BLOCK_M, TQ) + shift)
-    else:
-        n_full = full_tk
-        hi = TK
-    acc, l_i, m_i = _fwd_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K,
-        V,
-        stride_kt,
-        stride_kd,
-        stride_vt,
-        stride_vd,
-        offs_n,
-        offs_d,
-        q_pos,
-        0,
-        n_full,
-        TK,
-        qk_scale,
-        False,
-        CAUSAL,
-        EVEN_D,
-        HEAD_DIM,
-        BLOCK_N,
-        DOT_PREC,
-    )
-    acc, l_i, m_i = _fwd_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K,
-        V,
-        stride_kt,
-        stride_kd,
-        stride_vt,
-        stride_vd,
-        offs_n,
-        offs_d,
-        q_pos,
-        n_full,
-        hi,
-        TK,
-        qk_scale,
-        True,
-        CAUSAL,
-        EVEN_D,
-        HEAD_DIM,
-        BLOCK_N,
-        DOT_PREC,
-    )
-    # rows that saw no key at all (only possible when causal and TQ > TK) give 0, not NaN
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    # +inf for rows without keys: the backward's exp2(s - lse) is then 0 for them
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("inf"))
-    tl.store(LSE + bh.to(tl.int64) * TQ + offs_m, lse, mask=row_ok)
-    tl.store(
-        O + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
-        out.to(O.dtype.element_ty),
-        mask=q_mask,
-    )
+    acc, l_i, m_i = softmax_init(BLOCK_M, BLOCK_D)
+    for MASKED in tl.static_range(2):
+        first, last = (n_full, end) if MASKED else (0, n_full)
+        for start_n in range(first, last, BLOCK_N):
+            kn = start_n + offs_n  # (BLOCK_N,) key positions
+            kv_ok = kn < TK
+            kt_mask = kv_ok[None, :] if EVEN_D else kv_ok[None, :] & d_ok[:, None]
+            v_mask = kv_ok[:, None] if EVEN_D else kv_ok[:, None] & d_ok[None, :]
+            kt = tl.load(kt_ptrs + start_n * stride_kt, mask=kt_mask, other=0.0)
+            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+            if MASKED:
+                ok = kv_ok[None, :]
+                if CAUSAL:
+                    ok = ok & (kn[None, :] <= q_pos[:, None])
+                s = tl.where(ok, s, float("-inf"))
+            v_tile = v_ptrs + start_n * stride_vt
+            acc, l_i, m_i = softmax_update(acc, l_i, m_i, s, v_tile, v_mask, DOT_PREC)
+    # a row that sees no key at all (causal with TQ > TK) outputs 0, and its LSE is +inf so that
+    # the backward's exp2(s - lse) is 0 for it
+    out, lse = softmax_finish(acc, l_i, m_i, float("inf"))
+    tl.store(LSE + bh * TQ + offs_m, lse, mask=row_ok)
+    o_ptrs = _tile(O + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_ot, stride_od)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O,
-    DO,
-    DELTA,
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
-    stride_db,
-    stride_dh,
-    stride_dt,
-    stride_dd,
-    H,
-    TQ,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    start_m = tl.program_id(1) * BLOCK_M
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_db, stride_dh, stride_dt, stride_dd,
+    H, TQ,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    bh, b, h = _program_head(H)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < TQ) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(
-        O
-        + b * stride_ob
-        + h * stride_oh
-        + offs_m[:, None] * stride_ot
-        + offs_d[None, :] * stride_od,
-        mask=mask,
-        other=0.0,
-    )
-    do = tl.load(
-        DO
-        + b * stride_db
-        + h * stride_dh
-        + offs_m[:, None] * stride_dt
-        + offs_d[None, :] * stride_dd,
-        mask=mask,
-        other=0.0,
-    )
+    O += b * stride_ob + h * stride_oh
+    DO += b * stride_db + h * stride_dh
+    o = tl.load(_tile(O, offs_m, offs_d, stride_ot, stride_od), mask=mask, other=0.0)
+    do = tl.load(_tile(DO, offs_m, offs_d, stride_dt, stride_dd), mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
-    tl.store(DELTA + bh.to(tl.int64) * TQ + offs_m, delta, mask=offs_m < TQ)
+    tl.store(DELTA + bh * TQ + offs_m, delta, mask=offs_m < TQ)
 
 
 @triton.jit
-def _dkdv_tiles(
-    dk,
-    dv,
-    k,
-    v,
-    Q,
-    DO,
-    LSE,
-    DELTA,
-    stride_qt,
-    stride_qd,
-    stride_dt,
-    stride_dd,
-    offs_n,
-    offs_m0,
-    offs_d,
-    d_ok,
-    lo,
-    hi,
-    TQ,
-    shift,
-    qk_scale,
-    CAUSAL_MASK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + offs_m0
+def _flash_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_db, stride_dh, stride_dt, stride_dd,
+    H, TQ, TK, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, DQ_PASS: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block (DQ_PASS, grid axis 1 over query blocks) or dK and dV of one key
+    block (grid axis 1 over key blocks). dQ, dK and dV are contiguous (B, H, T, D)."""
+    bh, b, h = _program_head(H)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_db + h * stride_dh
+    LSE += bh * TQ
+    DELTA += bh * TQ
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    shift = TK - TQ  # bottom-right alignment: query row i sits at key position i + shift
+
+    if DQ_PASS:
+        start_m = _query_block(CAUSAL, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) this program's queries
+        offs_n = tl.arange(0, BLOCK_N)
         m_ok = offs_m < TQ
         qd_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(
-            Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0
-        )  # (BLOCK_M, BLOCK_D)
-        do = tl.load(
-            DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=qd_mask, other=0.0
-        )
+        q = tl.load(_tile(Q, offs_m, offs_d, stride_qt, stride_qd), mask=qd_mask, other=0.0)
+        do = tl.load(_tile(DO, offs_m, offs_d, stride_dt, stride_dd), mask=qd_mask, other=0.0)
         lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)  # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
-        pt = tl.exp2(st - lse[None, :])  # P^T
-        if CAUSAL_MASK:
-            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + shift, pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
-    return dk, dv
-
-
-@triton.jit
-def _bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV,
-    LSE,
-    DELTA,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    stride_db,
-    stride_dh,
-    stride_dt,
-    stride_dd,
-    H,
-    TQ,
-    TK,
-    sm_scale,
-    qk_scale,
-    CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    start_n = tl.program_id(1) * BLOCK_N
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_db + h * stride_dh
-    row0 = bh.to(tl.int64) * TQ
-    LSE += row0
-    DELTA += row0
-
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    n_ok = offs_n < TK
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(
-        K + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
-    )  # (BLOCK_N, BLOCK_D)
-    v = tl.load(
-        V + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
-    )
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    shift = TK - TQ
-    if CAUSAL:
-        # query blocks before `lo` see none of these keys; from `mid` on they see all of them
-        lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
+        # key and value block 0, both transposed: (BLOCK_D, BLOCK_N)
+        kt_ptrs = _tile(K, offs_d, offs_n, stride_kd, stride_kt)
+        vt_ptrs = _tile(V, offs_d, offs_n, stride_vd, stride_vt)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N)
+        for MASKED in tl.static_range(2):  # the forward's passes: unmasked, then the diagonal
+            first, last = (n_full, end) if MASKED else (0, n_full)
+            for start_n in range(first, last, BLOCK_N):
+                kn = start_n + offs_n  # (BLOCK_N,) key positions
+                n_ok = kn < TK
+                kv_mask = n_ok[None, :] & d_ok[:, None]
+                kt = tl.load(kt_ptrs + start_n * stride_kt, mask=kv_mask, other=0.0)
+                vt = tl.load(vt_ptrs + start_n * stride_vt, mask=kv_mask, other=0.0)
+                s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+                p = tl.exp2(s - lse[:, None])
+                if MASKED:
+                    ok = n_ok[None, :]
+                    if CAUSAL:
+                        ok = ok & (kn[None, :] <= offs_m[:, None] + shift)
+                    p = tl.where(ok, p, 0.0)
+                dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
+        dq *= sm_scale
+        dq_ptrs = _tile(DQ + bh * TQ * HEAD_DIM, offs_m, offs_d, HEAD_DIM, 1)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=qd_mask)
+    else:
+        start_n = tl.program_id(1) * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) this program's keys
+        offs_m = tl.arange(0, BLOCK_M)
+        kv_mask = (offs_n < TK)[:, None] & d_ok[None, :]
+        k = tl.load(_tile(K, offs_n, offs_d, stride_kt, stride_kd), mask=kv_mask, other=0.0)
+        v = tl.load(_tile(V, offs_n, offs_d, stride_vt, stride_vd), mask=kv_mask, other=0.0)
+        # query block 0 of Q and dO: (BLOCK_M, BLOCK_D)
+        q_ptrs = _tile(Q, offs_m, offs_d, stride_qt, stride_qd)
+        do_ptrs = _tile(DO, offs_m, offs_d, stride_dt, stride_dd)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        # causal: query blocks before `lo` see none of these keys, those in [lo, mid) some of
+        # them (the masked pass, first) and those from `mid` on all of them. Keys past TK and
+        # queries past TQ need no mask: their K, V, Q, dO load as 0, so they only touch rows of
+        # dK and dV that are never stored.
+        lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
         mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
-        dk, dv = _dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            Q,
-            DO,
-            LSE,
-            DELTA,
-            stride_qt,
-            stride_qd,
-            stride_dt,
-            stride_dd,
-            offs_n,
-            offs_m0,
-            offs_d,
-            d_ok,
-            lo,
-            tl.minimum(mid, TQ),
-            TQ,
-            shift,
-            qk_scale,
-            True,
-            BLOCK_M,
-            DOT_PREC,
-        )
-    else:
-        mid = 0
-    # keys past TK and queries past TQ need no mask here: their K, V, Q, dO load as 0, so they
-    # only touch rows of dK and dV that are never stored
-    dk, dv = _dkdv_tiles(
-        dk,
-        dv,
-        k,
-        v,
-        Q,
-        DO,
-        LSE,
-        DELTA,
-        stride_qt,
-        stride_qd,
-        stride_dt,
-        stride_dd,
-        offs_n,
-        offs_m0,
-        offs_d,
-        d_ok,
-        mid,
-        TQ,
-        TQ,
-        shift,
-        qk_scale,
-        False,
-        BLOCK_M,
-        DOT_PREC,
-    )
-    dk *= sm_scale
-    tl.store(
-        DK + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=kv_mask,
-    )
-    tl.store(
-        DV + bh.to(tl.int64) * TK * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=kv_mask,
-    )
+        mid = mid if CAUSAL else 0
+        for MASKED in tl.static_range(CAUSAL, -1, -1):  # causal: 1 then 0; otherwise 0 alone
+            first, last = (lo, tl.minimum(mid, TQ)) if MASKED else (mid, TQ)
+            for start_m in range(first, last, BLOCK_M):
+                rows = start_m + offs_m  # (BLOCK_M,)
+                m_ok = rows < TQ
+                qd_mask = m_ok[:, None] & d_ok[None, :]
+                q = tl.load(q_ptrs + start_m * stride_qt, mask=qd_mask, other=0.0)
+                do = tl.load(do_ptrs + start_m * stride_dt, mask=qd_mask, other=0.0)
+                lse = tl.load(LSE + rows, mask=m_ok, other=0.0)  # (BLOCK_M,)
+                delta = tl.load(DELTA + rows, mask=m_ok, other=0.0)
+                st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M) tile
+                pt = tl.exp2(st - lse[None, :])  # P^T (BLOCK_N, BLOCK_M)
+                if MASKED:
+                    pt = tl.where(offs_n[:, None] <= rows[None, :] + shift, pt, 0.0)
+                dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+                dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+                dst = pt * (dpt - delta[None, :])
+                dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+        dk *= sm_scale
+        dkv_offsets = _tile(bh * TK * HEAD_DIM, offs_n, offs_d, HEAD_DIM, 1)  # (BLOCK_N, BLOCK_D)
+        tl.store(DK + dkv_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + dkv_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
-def _dq_tiles(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    K,
-    V,
-    stride_kt,
-    stride_kd,
-    stride_vt,
-    stride_vd,
-    offs_m,
-    offs_n0,
-    offs_d,
-    d_ok,
-    lo,
-    hi,
-    TK,
-    shift,
-    qk_scale,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < TK
-        kv_mask = n_ok[None, :] & d_ok[:, None]
-        kt = tl.load(
-            K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt, mask=kv_mask, other=0.0
-        )  # (BLOCK_D, BLOCK_N)
-        vt = tl.load(
-            V + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt, mask=kv_mask, other=0.0
-        )
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(s - lse[:, None])
-        if MASKED:
-            ok = n_ok[None, :]
-            if CAUSAL:
-                ok = ok & (offs_n[None, :] <= offs_m[:, None] + shift)
-            p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
-    return dq
-
-
-@triton.jit
-def _bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    LSE,
-    DELTA,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    stride_db,
-    stride_dh,
-    stride_dt,
-    stride_dd,
-    H,
-    TQ,
-    TK,
-    sm_scale,
-    qk_scale,
-    CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    pid_m = tl.program_id(1)
-    if CAUSAL:  # the last query blocks see the most keys: launch them first
-        pid_m = tl.num_programs(1) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_db + h * stride_dh
-    row0 = bh.to(tl.int64) * TQ
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    m_ok = offs_m < TQ
-    qd_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(
-        Q + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0
-    )  # (BLOCK_M, BLOCK_D)
-    do = tl.load(
-        DO + offs_m[:, None] * stride_dt + offs_d[None, :] * stride_dd, mask=qd_mask, other=0.0
-    )
-    lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    shift = TK - TQ
-    full_tk = (TK // BLOCK_N) * BLOCK_N
-    if CAUSAL:  # same split as the forward: unmasked below the diagonal, masked along it
-        n_full = tl.minimum(tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N, full_tk)
-        hi = tl.minimum(TK, tl.minimum(start_m + BLOCK_M, TQ) + shift)
-    else:
-        n_full = full_tk
-        hi = TK
-    dq = _dq_tiles(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        K,
-        V,
-        stride_kt,
-        stride_kd,
-        stride_vt,
-        stride_vd,
-        offs_m,
-        offs_n0,
-        offs_d,
-        d_ok,
-        0,
-        n_full,
-        TK,
-        shift,
-        qk_scale,
-        False,
-        CAUSAL,
-        BLOCK_N,
-        DOT_PREC,
-    )
-    dq = _dq_tiles(
-        dq,
-        q,
-        do,
-        lse,
-        delta,
-        K,
-        V,
-        stride_kt,
-        stride_kd,
-        stride_vt,
-        stride_vd,
-        offs_m,
-        offs_n0,
-        offs_d,
-        d_ok,
-        n_full,
-        hi,
-        TK,
-        shift,
-        qk_scale,
-        True,
-        CAUSAL,
-        BLOCK_N,
-        DOT_PREC,
-    )
-    dq *= sm_scale
-    tl.store(
-        DQ + row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=qd_mask,
-    )
-
-
-def _fwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _fwd_config(head_dim: int, dtype: torch.dtype) -> Config:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the forward; not yet tuned on a GPU."""
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if head_dim <= 64:
@@ -653,7 +253,7 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (32, 32, 4, 1) if wide else (64, 32, 4, 2)
 
 
-def _bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _bwd_config(head_dim: int, dtype: torch.dtype) -> Config:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the backward kernels."""
     wide = dtype == torch.float32
     if head_dim <= 64:
@@ -663,9 +263,19 @@ def _bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (16, 16, 4, 1) if wide else (32, 32, 4, 1)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would default to TF32 on tensor cores (~1e-3 relative error); keep them exact
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _launch_options(
+    q: torch.Tensor, causal: bool, config: Callable[[int, torch.dtype], Config], blocks
+) -> dict:
+    """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
+    head_dim = q.shape[3]
+    block_m, block_n, warps, stages = config(head_dim, q.dtype)
+    if blocks is not None:
+        block_m, block_n = blocks
+    return dict(
+        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PREC=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -673,36 +283,14 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, sm_scale, blocks):  # noqa: ANN001 - autograd signature
         B, H, TQ, D = q.shape
         TK = k.shape[2]
-        block_m, block_n, warps, stages = _fwd_config(D, q.dtype)
-        if blocks is not None:
-            block_m, block_n = blocks
-        block_d = max(16, triton.next_power_of_2(D))
+        opts = _launch_options(q, causal, _fwd_config, blocks)
         o = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)  # contiguous
         lse = torch.empty((B * H, TQ), device=q.device, dtype=torch.float32)  # base-2 LSE
-        grid = (B * H, triton.cdiv(TQ, block_m))  # heads on axis 0: no 65535 limit
+        grid = (B * H, triton.cdiv(TQ, opts["BLOCK_M"]))  # heads on axis 0: no 65535 limit
         _flash_fwd_kernel[grid](
-            q,
-            k,
-            v,
-            o,
-            lse,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *o.stride(),
-            H,
-            TQ,
-            TK,
-            sm_scale * LOG2E,
-            CAUSAL=causal,
-            HEAD_DIM=D,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            DOT_PREC=_dot_precision(q.dtype),
-            num_warps=warps,
-            num_stages=stages,
-        )
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            H, TQ, TK, sm_scale * LOG2E, **opts,
+        )  # fmt: skip
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         ctx.sm_scale = sm_scale
@@ -714,56 +302,27 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         B, H, TQ, D = q.shape
         TK = k.shape[2]
-        block_m, block_n, warps, stages = _bwd_config(D, q.dtype)
-        if ctx.blocks is not None:
-            block_m, block_n = ctx.blocks
-        block_d = max(16, triton.next_power_of_2(D))
+        opts = _launch_options(q, ctx.causal, _bwd_config, ctx.blocks)
+        block_m, block_n = opts["BLOCK_M"], opts["BLOCK_N"]
         delta = torch.empty_like(lse)  # (B * H, TQ) fp32
         _bwd_preprocess_kernel[(B * H, triton.cdiv(TQ, block_m))](
-            o,
-            do,
-            delta,
-            *o.stride(),
-            *do.stride(),
-            H,
-            TQ,
-            HEAD_DIM=D,
-            BLOCK_M=block_m,
-            BLOCK_D=block_d,
-        )
+            o, do, delta, *o.stride(), *do.stride(), H, TQ,
+            HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=opts["BLOCK_D"],
+        )  # fmt: skip
         dq = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)
         dk = torch.empty((B, H, TK, D), device=k.device, dtype=k.dtype)
         dv = torch.empty((B, H, TK, D), device=v.device, dtype=v.dtype)
-        common = dict(
-            CAUSAL=ctx.causal,
-            HEAD_DIM=D,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            DOT_PREC=_dot_precision(q.dtype),
-            num_warps=warps,
-            num_stages=stages,
-        )
-        strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-        scales = (H, TQ, TK, ctx.sm_scale, ctx.sm_scale * LOG2E)
-        _bwd_dkdv_kernel[(B * H, triton.cdiv(TK, block_n))](
-            q, k, v, do, dk, dv, lse, delta, *strides, *scales, **common
-        )
-        _bwd_dq_kernel[(B * H, triton.cdiv(TQ, block_m))](
-            q, k, v, do, dq, lse, delta, *strides, *scales, **common
-        )
+        args = (q, k, v, do, dq, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride())
+        args += (*do.stride(), H, TQ, TK, ctx.sm_scale, ctx.sm_scale * LOG2E)
+        _flash_bwd_kernel[(B * H, triton.cdiv(TK, block_n))](*args, DQ_PASS=False, **opts)
+        _flash_bwd_kernel[(B * H, triton.cdiv(TQ, block_m))](*args, DQ_PASS=True, **opts)
         return dq, dk, dv, None, None, None
 
 
 def triton_flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
-    sm_scale: float | None = None,
-    *,
-    blocks: tuple[int, int] | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+    sm_scale: float | None = None, *, blocks: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * sm_scale) v with q (B, H, Tq, D), k and v (B, H, Tk, D); differentiable.
 
     Causal masks are bottom-right aligned (the same as the reference when Tq != Tk). Head dims up

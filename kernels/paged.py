@@ -1,7 +1,7 @@
 """Paged attention in Triton: new tokens against keys and values read through block tables.
 
 Contract: `kernels.reference.paged_attention_reference` (packed queries (N, H, D), pools
-(num_blocks, block_size, H, D), block tables, context lengths, query offsets; bottom-right causal).
+(num_blocks, block_size, H, D), the step's `AttentionMetadata`; bottom-right causal).
 
 One program owns BLOCK_M new tokens of one sequence, one head and one split of the context. It
 walks its keys BLOCK_N at a time; each key's pool block comes from the block table, so a tile may
@@ -23,52 +23,23 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-NEG_BIG = tl.constexpr(
-    -1.0e30
-)  # finite start for the running max: fully masked tiles give 0, never NaN
+from kernels.metadata import AttentionMetadata
+from kernels.softmax import LOG2E, dot_precision, softmax_finish, softmax_init, softmax_update
 
 
 @triton.jit
 def _paged_attn_kernel(
-    Q,
-    KC,
-    VC,
-    TABLES,
-    CTX_LENS,
-    Q_START,
-    OUT,
-    LSE,
-    stride_qn,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
+    Q, KC, VC, TABLES, CTX_LENS, Q_START, OUT, LSE,
+    stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tb,
-    stride_os,
-    stride_on,
-    stride_oh,
-    stride_od,
-    stride_ls,
-    stride_ln,
-    stride_lh,
-    qk_scale,
-    page_size,
-    split_size,
-    n_qblocks,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):
+    stride_os, stride_on, stride_oh, stride_od,
+    stride_ls, stride_ln, stride_lh,
+    qk_scale, page_size, split_size, n_qblocks,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, WRITE_LSE: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -84,12 +55,10 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < q_len
+    qd_mask = m_ok[:, None] & d_ok[None, :]
     rows = (q_start + offs_m).to(tl.int64)  # (BLOCK_M,) rows in the packed batch
-    q = tl.load(
-        Q + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
-        mask=m_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # (BLOCK_M, BLOCK_D)
+    q_ptrs = Q + rows[:, None] * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     q_pos = ctx - q_len + offs_m  # absolute position of each query: it sees keys 0 .. q_pos
 
     # keys this program may need: up to the last real query's position, within its split
@@ -98,9 +67,7 @@ def _paged_attn_kernel(
     lo = split * split_size
     hi = tl.minimum(kv_end, lo + split_size)
 
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = softmax_init(BLOCK_M, BLOCK_D)
     table = TABLES + seq.to(tl.int64) * stride_tb
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n  # (BLOCK_N,) key positions in the sequence
@@ -110,91 +77,50 @@ def _paged_attn_kernel(
         k_row = block * stride_kb + slot * stride_ks + h * stride_kh  # (BLOCK_N,)
         v_row = block * stride_vb + slot * stride_vs + h * stride_vh
         # masked loads read 0: pool slots past the context may hold garbage (even NaN)
-        kt = tl.load(
-            KC + k_row[None, :] + offs_d[:, None] * stride_kd,
-            mask=k_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )  # (BLOCK_D, BLOCK_N)
+        kt_ptrs = KC + k_row[None, :] + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
+        kt = tl.load(kt_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        ok = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # masked entries are exactly 0
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            VC + v_row[:, None] + offs_d[None, :] * stride_vd,
-            mask=k_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        s = tl.where(k_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        v_ptrs = VC + v_row[:, None] + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
+        v_mask = k_ok[:, None] & d_ok[None, :]
+        acc, l_i, m_i = softmax_update(acc, l_i, m_i, s, v_ptrs, v_mask, DOT_PREC)
 
     # a row with no key in this split: output 0 and LSE -inf, so the merge gives it no weight
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out, lse = softmax_finish(acc, l_i, m_i, float("-inf"))
     split64 = split.to(tl.int64)
-    tl.store(
-        OUT
-        + split64 * stride_os
-        + rows[:, None] * stride_on
-        + h * stride_oh
-        + offs_d[None, :] * stride_od,
-        out.to(OUT.dtype.element_ty),
-        mask=m_ok[:, None] & d_ok[None, :],
-    )
+    OUT += split64 * stride_os + h * stride_oh
+    out_ptrs = OUT + rows[:, None] * stride_on + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=qd_mask)
     if WRITE_LSE:
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(LSE + split64 * stride_ls + rows * stride_ln + h * stride_lh, lse, mask=m_ok)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    PART,
-    LSE,
-    OUT,
-    n_splits,
-    stride_ps,
-    stride_pn,
-    stride_ph,
-    stride_pd,
-    stride_ls,
-    stride_ln,
-    stride_lh,
-    stride_on,
-    stride_oh,
-    stride_od,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    PART, LSE, OUT, n_splits,
+    stride_ps, stride_pn, stride_ph, stride_pd,
+    stride_ls, stride_ln, stride_lh,
+    stride_on, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < n_splits
-    lse = tl.load(
-        LSE + offs_s * stride_ls + n * stride_ln + h * stride_lh, mask=s_ok, other=float("-inf")
-    )  # (BLOCK_S,)
+    d_ok = offs_d < HEAD_DIM
+    lse_ptrs = LSE + offs_s * stride_ls + n * stride_ln + h * stride_lh
+    lse = tl.load(lse_ptrs, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # (BLOCK_S,)
-    part = tl.load(
-        PART
-        + offs_s[:, None] * stride_ps
-        + n * stride_pn
-        + h * stride_ph
-        + offs_d[None, :] * stride_pd,
-        mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )  # (S, D)
+    part_ptrs = PART + n * stride_pn + h * stride_ph
+    part_ptrs += offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd  # (BLOCK_S, BLOCK_D)
+    part = tl.load(part_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)  # (BLOCK_D,)
-    tl.store(
-        OUT + n * stride_on + h * stride_oh + offs_d * stride_od,
-        out.to(OUT.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
+    out_ptrs = OUT + n * stride_on + h * stride_oh + offs_d * stride_od
+    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=d_ok)
 
 
 @functools.lru_cache(maxsize=8)
@@ -216,23 +142,20 @@ def triton_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start: torch.Tensor,
+    meta: AttentionMetadata,
     sm_scale: float | None = None,
     *,
-    max_query_len: int | None = None,
     split_size: int | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
     """Paged attention, same contract as `paged_attention_reference`; returns (N, H, D).
 
-    Every sequence must have at least one new token. max_query_len (longest new-token run) saves
-    a device sync when the caller knows it; with N == B it is 1 without asking. split_size
-    (keys per split, rounded up to a multiple of block_n) overrides the split-K heuristic.
+    Reads meta.block_tables, meta.context_lens and meta.query_start on the device and
+    meta.max_query_len on the host, so nothing is read back. Every sequence must have at least one
+    new token. split_size (keys per split, rounded up to a multiple of block_n) overrides the
+    split-K heuristic.
     """
     n_tokens, n_head, head_dim = q.shape
-    batch = context_lens.shape[0]
     page_size = k_cache.shape[1]
     if k_cache.shape[2:] != (n_head, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"pools {tuple(k_cache.shape)} do not match queries {tuple(q.shape)}")
@@ -242,75 +165,41 @@ def triton_paged_attention(
     if n_tokens == 0:
         return out
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    if max_query_len is None:
-        max_query_len = 1 if n_tokens == batch else int((query_start[1:] - query_start[:-1]).max())
+    max_query_len = meta.max_query_len
     block_m = 16 if max_query_len <= 16 else min(64, triton.next_power_of_2(max_query_len))
     block_d = max(16, triton.next_power_of_2(head_dim))
     n_qblocks = triton.cdiv(max_query_len, block_m)
-    # the table width bounds every context without reading context_lens back from the device
-    max_ctx = block_tables.shape[1] * page_size
+    tables = meta.block_tables
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    # the table width bounds every context, without reading context_lens back from the device
+    max_ctx = tables.shape[1] * page_size
     if split_size is None:
-        splits = _num_splits(batch * n_qblocks * n_head, max_ctx, block_n, q.device)
-        split_size = triton.cdiv(max_ctx, splits)
+        programs = meta.num_seqs * n_qblocks * n_head
+        split_size = triton.cdiv(max_ctx, _num_splits(programs, max_ctx, block_n, q.device))
     split_size = triton.cdiv(max(split_size, 1), block_n) * block_n
     splits = triton.cdiv(max_ctx, split_size)
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    context_lens = context_lens.to(torch.int32)
-    query_start = query_start.to(torch.int32)
 
-    if splits == 1:
-        part, lse = out, out  # lse is never written with one split
-        part_strides = (0, *out.stride())
-        lse_strides = (0, 0, 0)
-    else:
-        part = torch.empty(
-            (splits, n_tokens, n_head, head_dim), device=q.device, dtype=torch.float32
-        )
-        lse = torch.empty((splits, n_tokens, n_head), device=q.device, dtype=torch.float32)
-        part_strides = part.stride()
-        lse_strides = lse.stride()
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (batch * n_qblocks, n_head, splits)
-    _paged_attn_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_start,
-        part,
-        lse,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        block_tables.stride(0),
-        *part_strides,
-        *lse_strides,
-        scale * LOG2E,
-        page_size,
-        split_size,
-        n_qblocks,
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        DOT_PREC=dot_prec,
-        WRITE_LSE=splits > 1,
-        num_warps=4 if block_d <= 64 else 8,
-        num_stages=2,
-    )
+    if splits == 1:  # the kernel writes the output itself and no LSE
+        part, lse = out, out
+        part_strides, lse_strides = (0, *out.stride()), (0, 0, 0)
+    else:  # (splits, N, H, D) partial outputs and (splits, N, H) LSEs for the merge, fp32
+        part = q.new_empty((splits, n_tokens, n_head, head_dim), dtype=torch.float32)
+        lse = q.new_empty((splits, n_tokens, n_head), dtype=torch.float32)
+        part_strides, lse_strides = part.stride(), lse.stride()
+    lens, starts = meta.context_lens.to(torch.int32), meta.query_start.to(torch.int32)
+    _paged_attn_kernel[(meta.num_seqs * n_qblocks, n_head, splits)](
+        q, k_cache, v_cache, tables, lens, starts, part, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
+        *part_strides, *lse_strides,
+        scale * LOG2E, page_size, split_size, n_qblocks,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PREC=dot_precision(q.dtype), WRITE_LSE=splits > 1,
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(n_tokens, n_head)](
-            part,
-            lse,
-            out,
-            splits,
-            *part.stride(),
-            *lse.stride(),
-            *out.stride(),
-            HEAD_DIM=head_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            BLOCK_D=block_d,
-        )
+            part, lse, out, splits, *part.stride(), *lse.stride(), *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        )  # fmt: skip
     return out

@@ -1,18 +1,30 @@
-"""Compile every Triton kernel variant for an H100/H200 (sm_90) without a GPU.
+"""Compile every Triton kernel for an H100/H200 (sm_90) without a GPU, as real launches would.
 
 The interpreter runs the kernels' Python, not Triton's compiler: an API the compiler rejects, a
 non-constexpr global or a tile that overflows shared memory only shows up here. Run as a script
-with TRITON_INTERPRET unset; prints one line per variant. `--quick` compiles a few variants that
-between them reach every code path (test_compile.py runs that: each kernel takes seconds of
-LLVM and ptxas time on a small CPU); the full sweep takes minutes.
+with TRITON_INTERPRET unset; it prints one `ok` line per variant and asserts that each kernel's
+shared memory fits sm_90. `--quick` compiles four variants that between them reach every kernel,
+every code path and bf16 (test_compile.py runs that: each kernel takes seconds of LLVM and ptxas
+time on a small CPU); the full sweep takes many minutes on 2 cores.
+
+Each variant runs the host wrappers (`triton_flash_attention` forward and backward,
+`triton_paged_attention`) on CPU tensors laid out as the model lays them out (q, k and v are
+views of one qkv projection, the KV pools are head-major like `KVCache`'s), with every kernel
+replaced by a recorder. So what is compiled is exactly what the wrappers launch: arguments, tile
+sizes, warps and stages. Each recorded launch then goes through Triton's own launch binder, which
+specialises it as a launch on a GPU would: an integer argument equal to 1 becomes a constant, and
+pointers and integers divisible by 16 get the `tt.divisibility = 16` attribute (what lets the
+compiler vectorise loads and pick wider copies, which changes the shared memory a kernel needs).
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 assert "TRITON_INTERPRET" not in os.environ, "the interpreter must be off to compile"
@@ -20,84 +32,143 @@ assert "TRITON_INTERPRET" not in os.environ, "the interpreter must be off to com
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import kernels.flash as flash  # noqa: E402
 import kernels.paged as paged  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-SHARED_LIMIT = 227 * 1024  # bytes per block on sm_90
-TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BACKEND = make_backend(TARGET)
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KERNELS = {  # the kernels a launch may reach, and the short names the output uses
+    (flash, "_flash_fwd_kernel"): "fwd",
+    (flash, "_bwd_preprocess_kernel"): "pre",
+    (flash, "_flash_bwd_kernel"): "bwd",  # dkdv or dq, after its DQ_PASS
+    (paged, "_paged_attn_kernel"): "paged",
+    (paged, "_merge_splits_kernel"): "merge",
+}
+Launch = tuple[JITFunction, str, tuple, dict]  # kernel, short name, args, keyword args
+_described: set[str] = set()
 
 
-def compile_kernel(
-    fn, pointers: dict[str, str], floats: set[str], const: dict, warps: int, stages: int
-) -> int:
-    """Compile fn to a cubin; return its shared memory in bytes."""
-    signature = {}
-    for name in fn.arg_names:
-        if name in const:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
-    src = ASTSource(fn=fn, signature=signature, constexprs=const)
-    kernel = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
-    shared = kernel.metadata.shared
-    assert shared <= SHARED_LIMIT, f"{fn.__name__} {const}: {shared} bytes of shared memory"
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` appends the launch to a list."""
+
+    def __init__(self, kernel: JITFunction, short: str, launches: list[Launch]) -> None:
+        self.kernel, self.short, self.launches = kernel, short, launches
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        def record(*args, **kwargs) -> None:
+            name = self.short
+            if name == "bwd":
+                name = "dq" if kwargs["DQ_PASS"] else "dkdv"
+            self.launches.append((self.kernel, name, args, kwargs))
+
+        return record
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Within the block the kernels only record their launches, in the list yielded."""
+    launches: list[Launch] = []
+    with contextlib.ExitStack() as stack:
+        for (module, attr), short in KERNELS.items():
+            recorder = _Recorder(getattr(module, attr), short, launches)
+            stack.enter_context(mock.patch.object(module, attr, recorder))
+        yield launches
+
+
+def compile_launch(kernel: JITFunction, short: str, args: tuple, kwargs: dict) -> int:
+    """Compile one recorded launch for sm_90, specialised as Triton specialises launches.
+
+    Returns the shared memory it needs in bytes, after asserting that it fits.
+    """
+    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        BACKEND, kwargs, bound, specialization, options
+    )
+    names = kernel.arg_names
+    ones = [names[i] for (i,) in constexprs if not kernel.params[i].is_constexpr]
+    aligned = [names[i] for (i,), attr in attrs.items() if ["tt.divisibility", 16] in attr]
+    assert aligned, f"{short}: nothing specialised; has Triton's launch binder changed?"
+    if short not in _described:  # once per kernel: what the launch specialised
+        _described.add(short)
+        print(f"  {short}: constant 1: {', '.join(ones)}; divisible by 16: {', '.join(aligned)}")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+    shared = compiled.metadata.shared
+    consts = {k: v for k, v in kwargs.items() if k.isupper()}
+    assert shared <= SHARED_LIMIT, f"{short} {consts}: {shared} bytes of shared memory"
     return shared
 
 
+def compile_all(launches: list[Launch]) -> str:
+    """Compile every launch; 'name=bytes ...' of shared memory, in launch order."""
+    return " ".join(f"{short}={compile_launch(k, short, a, kw)}" for k, short, a, kw in launches)
+
+
+def qkv_views(rows: tuple[int, ...], n_head: int, head_dim: int, dtype: torch.dtype):
+    """q, k, v (*rows, H, D) as the model makes them: views of one (*rows, 3 * H * D) tensor."""
+    c = n_head * head_dim
+    qkv = torch.randn(*rows, 3 * c, dtype=dtype)
+    return (t.unflatten(-1, (n_head, head_dim)) for t in qkv.split(c, dim=-1))
+
+
+def flash_variant(dt: str, head_dim: int, causal: bool) -> str:
+    """Forward and backward of a training step: B=2, T=128, H * D = 4 * D."""
+    B, T, H = 2, 128, 4
+    q, k, v = (
+        t.transpose(1, 2).requires_grad_()  # (B, H, T, D), strided like the model's
+        for t in qkv_views((B, T), H, head_dim, DTYPES[dt])
+    )
+    with recording() as launches:
+        y = flash.triton_flash_attention(q, k, v, causal=causal)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, H * head_dim)  # what the model's c_proj reads
+        y.backward(torch.randn_like(y))
+    return f"ok flash {dt} D={head_dim} causal={causal} shared {compile_all(launches)}"
+
+
+def paged_variant(dt: str, head_dim: int, query_lens: list[int], split: bool) -> str:
+    """One step over a head-major pool of 16-token pages; split=True cuts contexts into 64 keys."""
+    H, page = 4, 16
+    context_lens = [200 + n for n in query_lens]
+    width = -(-max(context_lens) // page)
+    tables = [list(range(1 + i * width, 1 + (i + 1) * width)) for i in range(len(query_lens))]
+    meta = AttentionMetadata.build(tables, context_lens, query_lens, page, "cpu")
+    q, _, _ = qkv_views((meta.num_tokens,), H, head_dim, DTYPES[dt])  # (N, H, D)
+    pools = [
+        torch.zeros(1 + len(tables) * width, H, page, head_dim, dtype=DTYPES[dt]).transpose(1, 2)
+        for _ in "kv"
+    ]  # (blocks, page, H, D), each (block, head) one contiguous tile
+    with recording() as launches:
+        paged.triton_paged_attention(q, *pools, meta, split_size=64 if split else None)
+    block_m = launches[0][3]["BLOCK_M"]
+    return (
+        f"ok paged {dt} D={head_dim} BLOCK_M={block_m} split={split} shared {compile_all(launches)}"
+    )
+
+
 def main(quick: bool) -> None:
-    flash_variants = list(itertools.product(TORCH, [64, 80, 128, 256], [True, False]))
-    paged_variants = list(itertools.product(TORCH, [64, 80, 128], [True, False]))
+    decode, prefill = [1, 1, 1, 1], [1, 100, 37]  # BLOCK_M 16; BLOCK_M 64 (the largest)
     if quick:
-        flash_variants = [("fp16", 80, True), ("fp32", 256, False)]
-        paged_variants = [("bf16", 64, True), ("fp32", 80, False)]
-    for dt, D, causal in flash_variants:
-        bd = max(16, triton.next_power_of_2(D))
-        prec = flash._dot_precision(TORCH[dt])
-        ptrs = {n: "*" + dt for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
-        ptrs.update(LSE="*fp32", DELTA="*fp32")
-        bm, bn, warps, stages = flash._fwd_config(D, TORCH[dt])
-        const = dict(CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, DOT_PREC=prec)
-        fwd = compile_kernel(flash._flash_fwd_kernel, ptrs, {"qk_scale"}, const, warps, stages)
-        bm, bn, warps, stages = flash._bwd_config(D, TORCH[dt])
-        const.update(BLOCK_M=bm, BLOCK_N=bn)
-        floats = {"qk_scale", "sm_scale"}
-        dkdv = compile_kernel(flash._bwd_dkdv_kernel, ptrs, floats, const, warps, stages)
-        dq = compile_kernel(flash._bwd_dq_kernel, ptrs, floats, const, warps, stages)
-        pre = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_D=bd)
-        compile_kernel(flash._bwd_preprocess_kernel, ptrs, set(), pre, 4, 1)
-        print(f"ok flash {dt} D={D} causal={causal} shared fwd={fwd} dkdv={dkdv} dq={dq}")
-    for dt, D, split in paged_variants:
-        bd = max(16, triton.next_power_of_2(D))
-        ptrs = {
-            "Q": "*" + dt,
-            "KC": "*" + dt,
-            "VC": "*" + dt,
-            "TABLES": "*i32",
-            "CTX_LENS": "*i32",
-            "Q_START": "*i32",
-            "LSE": "*fp32",
-            "OUT": "*fp32" if split else "*" + dt,
-            "PART": "*fp32",
-        }
-        const = dict(
-            HEAD_DIM=D,
-            BLOCK_M=16,
-            BLOCK_N=64,
-            BLOCK_D=bd,
-            DOT_PREC=flash._dot_precision(TORCH[dt]),
-            WRITE_LSE=split,
-        )
-        warps = 4 if bd <= 64 else 8
-        shared = compile_kernel(paged._paged_attn_kernel, ptrs, {"qk_scale"}, const, warps, 2)
-        ptrs["OUT"] = "*" + dt
-        merge = dict(HEAD_DIM=D, BLOCK_S=8, BLOCK_D=bd)
-        compile_kernel(paged._merge_splits_kernel, ptrs, set(), merge, 4, 1)
-        print(f"ok paged {dt} D={D} split={split} shared={shared}")
+        flash_variants = [("bf16", 80, True), ("fp32", 256, False)]
+        paged_variants = [("bf16", 64, prefill, True), ("fp32", 80, decode, False)]
+    else:
+        flash_variants = [
+            (dt, d, c) for dt in DTYPES for d in (64, 80, 128, 256) for c in (True, False)
+        ]
+        paged_variants = [
+            (dt, d, q, s) for dt in DTYPES for d in (64, 80, 128, 256) for q in (decode, prefill)
+            for s in (False, True)
+        ]  # fmt: skip
+    for dt, head_dim, causal in flash_variants:
+        print(flash_variant(dt, head_dim, causal), flush=True)
+    for dt, head_dim, query_lens, split in paged_variants:
+        print(paged_variant(dt, head_dim, query_lens, split), flush=True)
 
 
 if __name__ == "__main__":

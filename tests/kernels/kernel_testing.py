@@ -27,12 +27,13 @@ def paged_batch(
     ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0, spare=3,
     head_major=False,
 ):  # fmt: skip
-    """(q, k_cache, v_cache, metadata): pools full of NaN except the slots the sequences own, in shuffled pool blocks.
+    """(q (N, H, D), k_cache, v_cache, AttentionMetadata) for sequences in shuffled pool blocks.
 
-    Tables are padded with block 0, which nobody owns: a kernel that reads past a context, or
-    through a padding entry, without masking the load picks up NaN. `spare` more blocks are owned
-    by nobody. `head_major` stores the pools as `model.cache.KVCache` does: each (block, head) a
-    contiguous (page_size, head_dim) tile, seen through the same (blocks, page, H, D) shape.
+    The pools are full of NaN except the slots the sequences own. Tables are padded with block 0,
+    which nobody owns: a kernel that reads past a context, or through a padding entry, without
+    masking the load picks up NaN. `spare` more blocks are owned by nobody. `head_major` stores
+    the pools as `model.cache.KVCache` does: each (block, head) a contiguous (page_size, head_dim)
+    tile, seen through the same (blocks, page, H, D) shape.
     """
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-n // page_size) for n in ctx_lens]

@@ -14,6 +14,7 @@ from kernels.reference import paged_attention_reference  # noqa: E402
 
 
 def _check(args, dtype, **kw):
+    """args: (q, k_cache, v_cache, meta) from paged_batch."""
     out = triton_paged_attention(*args, **kw)  # (N, H, D)
     ref = paged_attention_reference(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
@@ -36,72 +37,42 @@ def test_mixed_decode_and_prefill(split_size, dtype, device):
 @pytest.mark.parametrize("page_size", [5, 16, 32], ids=lambda p: f"page{p}")
 def test_page_sizes_that_do_not_match_the_tile(page_size, device):
     # page 5 does not divide the 16-key tile; page 32 is larger than it
-    args = paged_batch(
-        **MIXED,
-        page_size=page_size,
-        n_head=2,
-        head_dim=80,
-        dtype=torch.float32,
-        device=device,
-        seed=1,
-    )
+    args = paged_batch(**MIXED, page_size=page_size, n_head=2, head_dim=80, dtype=torch.float32,
+                       device=device, seed=1)  # fmt: skip
     _check(args, torch.float32, split_size=32, block_n=16)
 
 
 def test_decode_batch_with_long_contexts_split(dtype, device):
-    # N == B: the decode path plans without reading lengths back; 10 splits of 32 keys
-    args = paged_batch(
-        ctx_lens=[300, 2, 77, 161],
-        q_lens=[1, 1, 1, 1],
-        page_size=16,
-        n_head=2,
-        head_dim=64,
-        dtype=dtype,
-        device=device,
-        seed=2,
-    )
+    # N == B, max_query_len 1: 10 splits of 32 keys
+    args = paged_batch(ctx_lens=[300, 2, 77, 161], q_lens=[1, 1, 1, 1], page_size=16, n_head=2,
+                       head_dim=64, dtype=dtype, device=device, seed=2)  # fmt: skip
     _check(args, dtype, split_size=32, block_n=32)
 
 
 def test_long_prefill_spans_query_blocks(device):
     # 70 new tokens after 30 cached: several query blocks; rows early in the block see no key in
     # later splits, which must give weight 0 in the merge and no NaN
-    args = paged_batch(
-        ctx_lens=[100, 3],
-        q_lens=[70, 2],
-        page_size=8,
-        n_head=1,
-        head_dim=16,
-        dtype=torch.float32,
-        device=device,
-        seed=3,
-    )
+    args = paged_batch(ctx_lens=[100, 3], q_lens=[70, 2], page_size=8, n_head=1, head_dim=16,
+                       dtype=torch.float32, device=device, seed=3)  # fmt: skip
     _check(args, torch.float32, split_size=16, block_n=16)
 
 
-def test_strided_queries_and_explicit_max_query_len(device):
-    # the model passes q as a view of the fused qkv projection
-    q, k_cache, v_cache, tables, ctx, starts = paged_batch(
-        **MIXED, page_size=8, n_head=2, head_dim=48, dtype=torch.float32, device=device, seed=4
-    )
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_strided_queries_and_pools(head_major, device):
+    # the model passes q as a view of the fused qkv projection, and KVCache stores the pools
+    # head-major (each (block, head) one contiguous tile) behind the (blocks, page, H, D) shape
+    q, k_cache, v_cache, meta = paged_batch(**MIXED, page_size=8, n_head=2, head_dim=48,
+                                            dtype=torch.float32, device=device, seed=4,
+                                            head_major=head_major)  # fmt: skip
     qkv = torch.cat([q, torch.randn_like(q), torch.randn_like(q)], dim=1)  # (N, 3H, D)
     q_view = qkv[:, :2]
     assert not q_view.is_contiguous()
-    args = (q_view, k_cache, v_cache, tables, ctx, starts)
-    _check(args, torch.float32, max_query_len=33)
+    _check((q_view, k_cache, v_cache, meta), torch.float32)
 
 
 def test_default_split_heuristic_and_scale(device):
-    args = paged_batch(
-        ctx_lens=[64, 200],
-        q_lens=[1, 5],
-        page_size=16,
-        n_head=3,
-        head_dim=32,
-        dtype=torch.float32,
-        device=device,
-        seed=5,
-    )
+    args = paged_batch(ctx_lens=[64, 200], q_lens=[1, 5], page_size=16, n_head=3, head_dim=32,
+                       dtype=torch.float32, device=device, seed=5)  # fmt: skip
     out = triton_paged_attention(*args, sm_scale=0.3)
     ref = paged_attention_reference(*args, sm_scale=0.3)
     assert rel_error(out, ref) < 1e-3
