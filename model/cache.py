@@ -104,6 +104,17 @@ class KVCache:
         if blocks:
             self.allocator.free(blocks)
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep only the sequence's first `length` tokens (rejected speculative tokens go)."""
+        if length > self.seq_len(seq_id):
+            raise ValueError(f"sequence {seq_id} has {self.seq_len(seq_id)} tokens, not {length}")
+        table = self._tables[seq_id]
+        keep = -(-length // self.block_size)
+        self.allocator.free(table[keep:])
+        del table[keep:]
+        self._lens[seq_id] = length
+        del self._keys.setdefault(seq_id, [])[length // self.block_size :]
+
     def fork(self, src: int, dst: int) -> None:
         """Give new sequence dst src's cached tokens: it shares src's blocks (copied on write)."""
         if dst in self._tables:

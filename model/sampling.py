@@ -182,7 +182,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return copy[0] if copy else logits
 
 
-def _truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Mask tokens outside each row's top-k / top-p / min-p set with -inf; (B, V) in place."""
     top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -219,7 +219,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         idx = torch.tensor(sampled, device=device)
         temps = [rows[i].params.temperature for i in sampled]
         temps = torch.tensor(temps, device=device)[:, None]
-        scaled = _truncate(logits[idx] / temps, [rows[i] for i in sampled])
+        scaled = truncate(logits[idx] / temps, [rows[i] for i in sampled])
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
         # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row has its own E
         noise = torch.empty_like(probs).exponential_()

@@ -16,9 +16,11 @@ import torch
 from model.cache import KVCache, OutOfBlocks
 from model.gpt import GPT
 from model.sampling import SampleRow, SamplingParams, prompt_logprobs, sample
+from model.speculative import verify
 from model.tokenizer import Tokenizer
 from server.scheduler import Scheduler
 from server.sequence import Sequence, TokenEvent, TokenLogprob
+from server.speculation import make_speculator
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ class EngineConfig:
     num_blocks: int | None = None  # None: max_num_seqs full contexts within kv_cache_bytes
     kv_cache_bytes: int = 2 << 30
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (needs a draft model)
+    num_speculative_tokens: int = 4  # guesses per sequence and step
+    speculative_max_batch: int = 4  # no guesses while more sequences decode
 
 
 @dataclass
@@ -62,6 +67,7 @@ class _Chunk:
     first_row: int  # its first row in the step's logits
     num_rows: int = 0
     completes: bool = False  # the chunk reaches the sequence's last known token: sample after it
+    verifies: bool = False  # a decode with guesses: every position gets logits, for `verify`
     scores: bool = False  # every position gets logits, for the prompt's logprobs
 
 
@@ -73,7 +79,11 @@ class Engine:
     """
 
     def __init__(
-        self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        draft_model: GPT | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -92,6 +102,12 @@ class Engine:
             num_blocks, config.block_size, prefix_caching=config.prefix_caching
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
+        if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:
+            raise ValueError("the draft model must use the model's tokenizer")
+        self.speculator = make_speculator(
+            config.speculative, draft_model, config.num_speculative_tokens,
+            config.speculative_max_batch, config.max_num_seqs, config.block_size,
+        )  # fmt: skip
         self.eos = tokenizer.eot_token
         self.device = param.device
         self._requests: dict[str, _Request] = {}
@@ -146,6 +162,8 @@ class Engine:
             return False
         for seq in req.seqs:
             self.scheduler.remove(seq)
+            if self.speculator is not None:
+                self.speculator.forget(seq)
         return True
 
     def has_work(self) -> bool:
@@ -170,6 +188,8 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Run one batched forward and return the events it produced."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_len)
         batch = self.scheduler.schedule()
         if batch.preempted:  # counted for the server's /metrics, and logged
             self.num_preemptions += len(batch.preempted)
@@ -194,16 +214,20 @@ class Engine:
         for seq, n in items:
             req = self._requests[seq.request_id]
             start = len(tokens)
-            tokens.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
             chunk = _Chunk(seq, n, first_row=len(rows))
-            chunk.completes = seq.num_cached + n == len(seq.token_ids)
+            chunk.verifies = seq.pending == 1 and n > 1  # the last token, then guesses
+            if chunk.verifies:
+                tokens.extend([seq.token_ids[-1], *seq.guesses])
+            else:
+                tokens.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
+            chunk.completes = chunk.verifies or seq.num_cached + n == len(seq.token_ids)
             chunk.scores = (
                 req.params.prompt_logprobs is not None
                 and not req.prompt_lp_sent
                 and seq.index == 0
                 and seq.num_generated == 0
             )
-            if chunk.scores:
+            if chunk.scores or chunk.verifies:
                 rows.extend(range(start, start + n))
             elif chunk.completes:
                 rows.append(start + n - 1)
@@ -222,6 +246,10 @@ class Engine:
         for chunk in work:
             seq = chunk.seq
             req = self._requests[seq.request_id]
+            if chunk.verifies:
+                end = chunk.first_row + chunk.num_rows
+                events.append(self._verify(req, seq, logits[chunk.first_row : end]))
+                continue
             if chunk.scores:
                 end = chunk.first_row + chunk.num_rows
                 self._score_prompt(req, seq.num_cached, logits[chunk.first_row : end])
@@ -287,6 +315,31 @@ class Engine:
                 self._retire(req, seq)
         return events
 
+    def _verify(self, req: _Request, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        """Keep the guesses the model agrees with, plus a token of its own (logits (1 + k, V))."""
+        row = SampleRow(seq.params, seq.token_ids[: seq.num_prompt], seq.output_ids,
+                        seq.generator, self.eos)  # fmt: skip
+        out = verify(logits, row, seq.guesses)
+        self.speculator.record(seq, out.num_accepted)
+        settled = seq.num_cached + 1 + out.num_accepted  # the last token and the accepted guesses
+        self.cache.truncate(seq.seq_id, settled)
+        self.speculator.proposer.keep(seq.seq_id, settled)
+        seq.num_cached, seq.guesses = settled, []
+        text, lps, emitted = "", [], []
+        for i, token in enumerate(out.tokens):
+            if seq.finished:  # a stop or the length limit came before the last token
+                break
+            emitted.append(token)
+            text += seq.append(token, self.eos, self.max_len)
+            if seq.params.logprobs is not None:
+                top = list(zip(out.top_ids[i], out.top_logprobs[i]))
+                lps.append(TokenLogprob(token, out.logprobs[i], top))
+        self.cache.register_full_blocks(seq.seq_id, seq.token_ids)
+        event = self._event(req, seq, emitted, text, lps, seq.finish_reason)
+        if seq.finished:
+            self._retire(req, seq)
+        return event
+
     def _finish_unsampled(self, req: _Request) -> list[TokenEvent]:
         """max_tokens 0 (prompt scoring): every completion ends after the prefill."""
         events = []
@@ -319,6 +372,8 @@ class Engine:
 
     def _retire(self, req: _Request, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         if all(s.finished for s in req.seqs):
             self._requests.pop(req.request_id, None)
 

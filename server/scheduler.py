@@ -76,9 +76,15 @@ class Scheduler:
         budget = self.max_batch_tokens
         items = []
         for seq in self.running:
-            if seq.pending == 1:
+            if seq.pending == 1 and not seq.guesses:
                 items.append((seq, 1))
                 budget -= 1
+        for seq in self.running:  # decodes that verify guesses: their last token and the guesses
+            if seq.pending == 1 and seq.guesses:
+                n = min(1 + len(seq.guesses), max(budget, 1))
+                seq.guesses = seq.guesses[: n - 1]
+                items.append((seq, n))
+                budget -= n
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
@@ -114,4 +120,5 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
         seq.num_cached = 0
+        seq.guesses = []
         self.waiting.appendleft(seq)

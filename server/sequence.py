@@ -74,6 +74,9 @@ class Sequence:
         self.num_prompt = len(prompt_ids)
         self.num_cached = 0  # tokens whose keys/values are in the KV cache
         self.num_prefix_hit = 0  # prompt tokens found in the prefix cache at first admission
+        self.guesses: list[
+            int
+        ] = []  # speculative tokens the next step verifies (server.speculation)
         self.generator: torch.Generator | None = params.make_generator(index)
         self.finish_reason: str | None = None
         self._tokenizer = tokenizer

@@ -1,0 +1,168 @@
+"""Speculative decoding in the engine: who proposes guesses, for which sequences, and when not.
+
+Before each step the `Speculator` gives some decoding sequences a few guesses (`seq.guesses`);
+the scheduler then plans such a sequence as a chunk of 1 + k tokens, the model scores them all in
+the step's one forward, and the engine keeps what `model.speculative.verify` accepts.
+
+Two proposers:
+- `NgramProposer` (prompt lookup, `--speculative ngram`): no second model; guesses what followed
+  the sequence's last few tokens the last time they occurred in it. Pays on text that repeats
+  (code, quoted passages, summaries of the prompt).
+- `DraftProposer` (`--draft-model DIR`): a smaller model with the same tokenizer decodes k tokens
+  greedily over a KV cache of its own, batched over the sequences.
+
+It falls back to plain decoding, per sequence, where it does not pay: when the proposer has
+nothing, when too many sequences decode at once (a CPU is then busy with the batch already, and a
+guess costs a full token of compute), and for a while after a sequence's guesses were mostly
+rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.cache import OutOfBlocks
+from model.gpt import GPT
+from model.speculative import propose_ngram
+from server.sequence import Sequence
+
+
+class NgramProposer:
+    """Prompt lookup over the sequence's own tokens (prompt and output)."""
+
+    def __init__(self, max_n: int = 3) -> None:
+        self.max_n = max_n
+
+    def propose(self, seqs: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """{seq_id: guesses} for (sequence, at most k guesses) pairs; sequences may get none."""
+        return {s.seq_id: g for s, k in seqs if (g := propose_ngram(s.token_ids, k, self.max_n))}
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+    def keep(self, seq_id: int, length: int) -> None:
+        pass
+
+
+class DraftProposer:
+    """A small model decodes k tokens greedily for each sequence, over its own paged cache."""
+
+    def __init__(self, model: GPT, max_num_seqs: int, block_size: int = 16) -> None:
+        self.model = model.eval()
+        blocks = max_num_seqs * -(-model.config.block_size // block_size)
+        self.cache = model.make_cache(blocks, block_size, prefix_caching=False)
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        # first forward: each sequence's tokens the draft has not seen yet (its prompt at first)
+        todo: list[tuple[Sequence, int]] = []
+        for s, k in seqs:
+            if len(s.token_ids) + k <= self.model.config.block_size:
+                todo.append((s, k))
+        feed = {s.seq_id: s.token_ids[self.cache.seq_len(s.seq_id) :] for s, _ in todo}
+        guesses: dict[int, list[int]] = {s.seq_id: [] for s, _ in todo}
+        for step in range(max((k for _, k in todo), default=0)):
+            batch = [(s, feed[s.seq_id]) for s, k in todo if step < k]
+            try:
+                meta = self.cache.prepare([(s.seq_id, len(t)) for s, t in batch])
+            except OutOfBlocks:
+                break  # the draft's pool is full: propose what there is
+            tokens = torch.tensor([t for _, ts in batch for t in ts], device=self.device)
+            logits = self.model.forward_cached(tokens, self.cache, meta)  # (B, V)
+            for (s, _), token in zip(batch, logits.argmax(-1).tolist()):
+                guesses[s.seq_id].append(token)
+                feed[s.seq_id] = [token]
+        return {sid: g for sid, g in guesses.items() if g}
+
+    def forget(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
+
+    def keep(self, seq_id: int, length: int) -> None:
+        """The sequence's first `length` tokens are settled; the draft drops what it has past them."""
+        if self.cache.seq_len(seq_id) > length:
+            self.cache.truncate(seq_id, length)
+
+
+@dataclass
+class _Record:
+    attempts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    paused_until: int = 0  # a step count: no guesses before it
+
+
+@dataclass
+class Speculator:
+    """Hands out guesses before a step and learns from what verification accepted."""
+
+    proposer: NgramProposer | DraftProposer
+    num_tokens: int = 4  # guesses per sequence and step, at most
+    max_batch: int = 4  # no guesses while more sequences than this decode
+    pause_steps: int = 16  # after a poor run of guesses, how long a sequence decodes plainly
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    _records: dict[int, _Record] = field(default_factory=dict)
+    _steps: int = 0
+
+    def propose(self, running: list[Sequence], max_len: int) -> None:
+        """Set `guesses` on the decoding sequences that get some this step (and clear the rest)."""
+        self._steps += 1
+        decoding = [s for s in running if s.pending == 1]
+        for s in running:
+            s.guesses = []
+        if not decoding or len(decoding) > self.max_batch:
+            return
+        wanted = []
+        for s in decoding:
+            room = min(s.params.max_tokens - s.num_generated, max_len - len(s.token_ids)) - 1
+            record = self._records.setdefault(s.seq_id, _Record())
+            if room > 0 and record.paused_until <= self._steps:
+                wanted.append((s, min(self.num_tokens, room)))
+        got = self.proposer.propose(wanted)
+        for s, k in wanted:
+            s.guesses = got.get(s.seq_id, [])[:k]
+
+    def record(self, seq: Sequence, accepted: int) -> None:
+        """Count a verification; pause a sequence whose guesses keep failing."""
+        r = self._records.setdefault(seq.seq_id, _Record())
+        r.attempts += 1
+        r.proposed += len(seq.guesses)
+        r.accepted += accepted
+        self.proposed_tokens += len(seq.guesses)
+        self.accepted_tokens += accepted
+        if r.attempts >= 4 and r.accepted < 0.25 * r.proposed:
+            r.paused_until = self._steps + self.pause_steps
+            r.attempts = r.proposed = r.accepted = 0
+
+    def forget(self, seq: Sequence) -> None:
+        self._records.pop(seq.seq_id, None)
+        self.proposer.forget(seq.seq_id)
+
+
+def make_speculator(
+    kind: str | None,
+    draft_model: GPT | None,
+    num_tokens: int,
+    max_batch: int,
+    max_num_seqs: int,
+    block_size: int,
+) -> Speculator | None:
+    """The engine's speculator: None, "ngram" (prompt lookup) or "draft" (needs draft_model)."""
+    if kind is None:
+        if draft_model is not None:
+            raise ValueError('a draft model needs speculative="draft"')
+        return None
+    if num_tokens < 1:
+        raise ValueError("num_speculative_tokens must be >= 1")
+    if kind == "ngram":
+        proposer: NgramProposer | DraftProposer = NgramProposer()
+    elif kind == "draft":
+        if draft_model is None:
+            raise ValueError('speculative="draft" needs a draft model')
+        proposer = DraftProposer(draft_model, max_num_seqs, block_size)
+    else:
+        raise ValueError(f'speculative must be "ngram" or "draft", not {kind!r}')
+    return Speculator(proposer, num_tokens, max_batch)
