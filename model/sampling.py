@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per generated token
     prompt_logprobs: int | None = None  # the same for prompt tokens (scoring)
     n: int = 1
+    # structured output: a `model.grammar.Constraint` at its start; each sequence follows a copy
+    constraint: Any = None
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise SamplingError naming the first bad field; returns self."""
@@ -207,9 +210,17 @@ def truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return scaled.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-    """Pick one token per row of (B, V) logits according to each row's parameters."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], allowed: torch.Tensor | None = None
+) -> SampleOutput:
+    """Pick one token per row of (B, V) logits according to each row's parameters.
+
+    allowed (B, V) bool, if given, masks each row first (structured output): the logprobs
+    reported are those of the masked distribution.
+    """
     device = logits.device
+    if allowed is not None:
+        logits = logits.float().masked_fill(~allowed.to(device, non_blocking=True), float("-inf"))
     logits = apply_penalties(logits.float(), rows)  # a copy only if a row changes it
     # log-probabilities as logit - logsumexp: no (B, V) log-softmax copy for a few values
     log_total = torch.logsumexp(logits, dim=-1)  # (B,)

@@ -15,6 +15,7 @@ import torch
 
 from model.cache import KVCache, OutOfBlocks
 from model.gpt import GPT
+from model.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
 from model.sampling import SampleRow, SamplingParams, prompt_logprobs, sample
 from model.speculative import verify
 from model.tokenizer import Tokenizer
@@ -297,10 +298,17 @@ class Engine:
 
     def _sample(self, work: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[TokenEvent]:
         rows = [
-            SampleRow(s.params, s.token_ids[: s.num_prompt], s.output_ids, s.generator, self.eos)
+            SampleRow(s.params, s.token_ids[: s.num_prompt], s.output_ids, s.generator,
+                      None if s.constraint else self.eos)  # a grammar decides when it may end
             for s, _ in work
-        ]
-        out = sample(logits[torch.tensor([r for _, r in work], device=logits.device)], rows)
+        ]  # fmt: skip
+        allowed = None
+        if any(s.constraint for s, _ in work):  # structured output: a mask row per sequence
+            bitmask = allocate_bitmask(len(work), logits.shape[-1])
+            fill_bitmask([s.constraint for s, _ in work], bitmask)
+            allowed = bitmask_to_bool(bitmask, logits.shape[-1])
+        index = torch.tensor([r for _, r in work], device=logits.device)
+        out = sample(logits[index], rows, allowed)
         events = []
         for i, (seq, _) in enumerate(work):
             req = self._requests[seq.request_id]

@@ -74,9 +74,8 @@ class Sequence:
         self.num_prompt = len(prompt_ids)
         self.num_cached = 0  # tokens whose keys/values are in the KV cache
         self.num_prefix_hit = 0  # prompt tokens found in the prefix cache at first admission
-        self.guesses: list[
-            int
-        ] = []  # speculative tokens the next step verifies (server.speculation)
+        self.constraint = None if params.constraint is None else params.constraint.fork()
+        self.guesses: list[int] = []  # speculative tokens the next step verifies
         self.generator: torch.Generator | None = params.make_generator(index)
         self.finish_reason: str | None = None
         self._tokenizer = tokenizer
@@ -110,9 +109,12 @@ class Sequence:
         self.token_ids.append(token)
         self.text_offsets.append(len(self._text))
         n_out = self.num_generated
-        if token in p.stop_token_ids or (token == eos_token and not p.ignore_eos):
+        ends = token == eos_token and (not p.ignore_eos or self.constraint is not None)
+        if token in p.stop_token_ids or ends:
             self.finish_reason = "stop"
             return self._release(self._text[self._released :])  # the stop token adds no text
+        if self.constraint is not None:  # structured output: the grammar says when it is complete
+            self.constraint.advance(token)
         if n_out <= p.min_tokens:  # a stop string may end in the text of token min_tokens on
             self._stop_from = len(self._text)
         self._text += self._detok.add(token)
@@ -122,8 +124,9 @@ class Sequence:
                 self.finish_reason = "stop"
                 self._text = self._text[:cut]
                 return self._release(self._text[self._released :])
-        if n_out >= p.max_tokens or len(self.token_ids) >= max_len:
-            self.finish_reason = "length"
+        complete = self.constraint is not None and self.constraint.is_finished()
+        if complete or n_out >= p.max_tokens or len(self.token_ids) >= max_len:
+            self.finish_reason = "stop" if complete else "length"
             self._text += self._detok.flush()
             return self._release(self._text[self._released :])
         return self._release(self._text[self._released : len(self._text) - self._held_back()])

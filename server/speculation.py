@@ -119,7 +119,7 @@ class Speculator:
         for s in decoding:
             room = min(s.params.max_tokens - s.num_generated, max_len - len(s.token_ids)) - 1
             record = self._records.setdefault(s.seq_id, _Record())
-            if room > 0 and record.paused_until <= self._steps:
+            if room > 0 and record.paused_until <= self._steps and s.constraint is None:
                 wanted.append((s, min(self.num_tokens, room)))
         got = self.proposer.propose(wanted)
         for s, k in wanted:
