@@ -53,6 +53,8 @@ class StepStats:
     preempted: int  # sequences preempted (requeued to be recomputed) by this step
     prefix_queried: int = 0  # prompt tokens looked up in the prefix cache by this step
     prefix_hit: int = 0  # of those, tokens found there
+    spec_proposed: int = 0  # speculative guesses verified by this step
+    spec_accepted: int = 0  # of those, guesses the model agreed with
 
 
 class AsyncEngine:
@@ -204,10 +206,12 @@ class AsyncEngine:
             for rid, (_, _, n) in list(self._streams.items()):
                 self._deliver([TokenEvent(rid, i, [], "", [], error=self.dead) for i in range(n)])
 
-    def _counts(self) -> tuple[int, int, int]:
+    def _counts(self) -> tuple[int, ...]:
         """The engine's running totals that StepStats reports per step."""
-        cache = self.engine.cache
-        return self.engine.num_preemptions, cache.prefix_queried_tokens, cache.prefix_hit_tokens
+        cache, spec = self.engine.cache, self.engine.speculator
+        guesses = (spec.proposed_tokens, spec.accepted_tokens) if spec else (0, 0)
+        return (self.engine.num_preemptions, cache.prefix_queried_tokens, cache.prefix_hit_tokens,
+                *guesses)  # fmt: skip
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:

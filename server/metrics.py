@@ -58,6 +58,13 @@ class Metrics:
             "gptserve_prefix_cache_hits",
             "Prompt tokens found in the prefix cache (not recomputed).",
         )
+        self.spec_proposed = counter(
+            "gptserve_spec_decode_draft_tokens", "Speculative guesses verified by the model."
+        )
+        self.spec_accepted = counter(
+            "gptserve_spec_decode_accepted_tokens",
+            "Speculative guesses accepted (acceptance rate: accepted / draft tokens).",
+        )
         self.requests = counter(
             "gptserve_requests", "Finished requests by HTTP status and finish reason.",
             ("endpoint", "status", "finish_reason"),
@@ -92,6 +99,9 @@ class Metrics:
         if stats.prefix_queried:
             self.prefix_queries.inc(stats.prefix_queried)
             self.prefix_hits.inc(stats.prefix_hit)
+        if stats.spec_proposed:
+            self.spec_proposed.inc(stats.spec_proposed)
+            self.spec_accepted.inc(stats.spec_accepted)
 
     def count_request(self, endpoint: str, status: int | str, finish_reason: str | None) -> None:
         self.requests.labels(endpoint, str(status), finish_reason or "none").inc()

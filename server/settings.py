@@ -84,6 +84,17 @@ class Settings:
         2.0, "KV cache memory bound (GiB); a request larger than the pool is a 400",
         group="engine", positive=True,
     )  # fmt: skip
+    speculative: str | None = flag(
+        None, "speculative decoding by prompt lookup (no second model); see also --draft-model",
+        group="engine", choices=("ngram",),
+    )  # fmt: skip
+    draft_model: str | None = flag(
+        None, "checkpoint of a smaller model with the same tokenizer: speculative decoding with "
+        "its guesses", group="engine",
+    )  # fmt: skip
+    num_speculative_tokens: int = flag(
+        4, "guesses verified per sequence and step", group="engine", low=1, high=16
+    )
     no_prefix_cache: bool = flag(
         False, "turn off automatic prefix caching (reusing the KV blocks of prompt prefixes "
         "seen before)", group="engine",
@@ -137,6 +148,10 @@ class Settings:
                 raise SettingsError(f"{what} must be >= {low}")
             if meta["positive"] and not value > 0:
                 raise SettingsError(f"{what} must be > 0")
+        if self.speculative and self.draft_model:
+            raise SettingsError("--speculative ngram and --draft-model exclude each other")
+        if self.draft_model is not None and not Path(self.draft_model).is_dir():
+            raise SettingsError(f"--draft-model: no checkpoint directory {self.draft_model}")
         if any(not key for key in self.api_keys):
             raise SettingsError("API keys must be non-empty")
         return self

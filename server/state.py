@@ -41,6 +41,7 @@ class LoadedModel:
     name: str
     template: ChatTemplate
     path: Path
+    draft: GPT | None = None  # the draft model of speculative decoding (--draft-model)
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -73,17 +74,26 @@ def load_model(settings: Settings) -> LoadedModel:
     device, dtype = resolve_device(settings.device, settings.dtype)
     try:
         model = optimize_for_cpu(load_checkpoint(path, device=device, dtype=dtype))
+        draft = None
+        if settings.draft_model is not None:
+            draft = load_checkpoint(settings.draft_model, device=device, dtype=dtype)
+            draft = optimize_for_cpu(draft)
         tokenizer = get_tokenizer(model.config.tokenizer)
         template = ChatTemplate.for_checkpoint(path)
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+    if draft is not None and draft.config.tokenizer != model.config.tokenizer:
+        raise ModelLoadError(
+            f"the draft model's tokenizer {draft.config.tokenizer!r} is not the model's "
+            f"{model.config.tokenizer!r}"
+        )
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ModelLoadError(
             f"the model's vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size}"
         )
     name = settings.served_model_name or path.resolve().name
-    return LoadedModel(model, tokenizer, name, template, path)
+    return LoadedModel(model, tokenizer, name, template, path, draft)
 
 
 class ServerState:
@@ -143,8 +153,10 @@ class ServerState:
             block_size=s.block_size,
             kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
             prefix_caching=not s.no_prefix_cache,
+            speculative="draft" if s.draft_model else s.speculative,
+            num_speculative_tokens=s.num_speculative_tokens,
         )
-        aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config))
+        aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft))
         aeng.start()  # the Engine is built in the engine thread (see server.async_engine)
         limits = aeng.limits
         validator = Validator(s, limits, loaded.name, loaded.tokenizer, loaded.template)
