@@ -54,12 +54,9 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Fused attention over (B, H, T, D) tensors, differentiable; like F.scaled_dot_product_attention."""
     if _use_triton(q):
         from kernels.flash import triton_flash_attention
@@ -69,12 +66,9 @@ def flash_attention(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """New tokens (N, H, D) against one layer's paged K/V; see `paged_attention_reference`."""
     if _use_triton(q):
         from kernels.paged import triton_paged_attention
@@ -86,12 +80,9 @@ def paged_attention(
 
 
 def _paged_attention_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float | None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """The leading decodes read head-major pools in place; prefills (and the rest) gather + SDPA."""
     n = meta.num_decodes
     if n == 0 or not is_head_major(k_cache, v_cache):

@@ -100,12 +100,9 @@ def is_head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def decode_attention_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """(B, H, D) decode queries against head-major paged K/V (`is_head_major`).
 
     Same contract as `kernels.reference.paged_attention_reference`, for a decode step: every

@@ -14,12 +14,9 @@ from kernels.metadata import AttentionMetadata
 
 
 def attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v over (B, H, T, D) tensors; causal masks are bottom-right aligned."""
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
@@ -33,12 +30,9 @@ def attention_reference(
 
 
 def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Attention of packed new tokens against each sequence's paged keys and values.
 
     q: (N, H, D), the new tokens of B sequences one after another.

@@ -124,12 +124,9 @@ def _attend_group(
 
 
 def paged_attention_sdpa(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """(N, H, D) new tokens against paged K/V; returns (N, H, D)."""
     block_size, kv_bytes = k_cache.shape[1], k_cache.element_size()
     plan = meta.plan("sdpa_gather", lambda: _make_plan(meta, block_size, q, kv_bytes))

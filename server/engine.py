@@ -80,12 +80,9 @@ class Engine:
     """
 
     def __init__(
-        self,
-        model: GPT,
-        tokenizer: Tokenizer,
-        config: EngineConfig | None = None,
+        self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None,
         draft_model: GPT | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
