@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from server.async_engine import AsyncEngine, EngineDeadError
 from server.errors import APIError, error_body
@@ -22,7 +24,7 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.sequence import TokenEvent
+from server.sequence import TokenEvent, TokenLogprob
 from server.state import ServerState
 from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
 from server.validation import EngineInputs, Validator
@@ -82,6 +84,8 @@ class Job:
         if echo is not None and text_start == 0:
             lps = prompt_lps.get(p) if self.inputs.params.prompt_logprobs is not None else None
             self.tracker.add_prompt(choice, self.inputs.prompts[p], echo[p], lps)
+        if event.logprobs and self.inputs.params.constraint is not None:
+            event.logprobs = [_possible(lp) for lp in event.logprobs]
         self.tracker.update(choice, event)
         return choice, text_start, lp_start
 
@@ -106,6 +110,13 @@ class Job:
         return self.tracker.chat_logprobs(choice, start)
 
 
+def _possible(lp: TokenLogprob) -> TokenLogprob:
+    """Without the alternatives a structured-output mask ruled out: their logprob is -inf (not
+    JSON), and they were never possible. Fewer than `logprobs` may remain."""
+    top = [(t, v) for t, v in lp.top if v > -math.inf]
+    return lp if len(top) == len(lp.top) else TokenLogprob(lp.token, lp.logprob, top)
+
+
 def _engine_error(message: str) -> APIError:
     return APIError(503, f"the engine failed this request: {message}", code="engine_error")
 
@@ -127,10 +138,18 @@ async def _answer(
     kind: str,
     validate: Callable[[Validator], EngineInputs],
     request: Request,
+    compiles: bool = False,
 ) -> Response:
-    """Check a request, queue it and answer it: a stream, or the whole completion."""
+    """Check a request, queue it and answer it: a stream, or the whole completion.
+
+    compiles: the request carries a structured-output constraint, whose grammar is compiled
+    while checking it (milliseconds, up to a few hundred for a huge schema): off the event loop.
+    """
     aeng = state.require_ready()
-    inputs = validate(state.validator)
+    if compiles:
+        inputs = await run_in_threadpool(validate, state.validator)
+    else:
+        inputs = validate(state.validator)
     _check_queue(state, aeng)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
@@ -168,13 +187,15 @@ def _whole_choice(job: Job, c: Choice) -> dict:
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return await _answer(state, "completion", lambda v: v.completion(body), request)
+    return await _answer(
+        state, "completion", lambda v: v.completion(body), request, body.asks_for_structure
+    )
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return await _answer(state, "chat", lambda v: v.chat(body), request)
+    return await _answer(state, "chat", lambda v: v.chat(body), request, body.asks_for_structure)
 
 
 async def _collect(job: Job, request: Request) -> None:

@@ -22,7 +22,77 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: the schema and its name."""
+
+    name: str | None = Field(None, description="1-64 letters, digits, _ or -")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None,
+        alias="schema",
+        description="a JSON Schema (the output is compact JSON valid under it)",
+    )
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text: no constraint; json_object: one JSON object; json_schema: JSON valid "
+        "under json_schema.schema"
+    )
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (the form current vLLM clients send): exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # an unknown key may be a constraint
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON Schema (an object, or the schema as JSON text)"
+    )
+    regex: str | None = Field(None, description="the whole output matches it (Rust regex syntax)")
+    choice: list[str] | None = Field(None, description="the output is exactly one of these")
+    json_object: bool | None = Field(None, description="true: the output is one JSON object")
+    grammar: str | None = Field(None, description="not supported; must be omitted or null")
+    structural_tag: str | dict[str, Any] | None = Field(
+        None, description="not supported; must be omitted or null"
+    )
+    whitespace_pattern: str | None = Field(
+        None, description="not supported: JSON is always written without whitespace"
+    )
+    disable_any_whitespace: bool | None = Field(None, description="accepted; JSON is compact")
+    disable_fallback: bool | None = Field(None, description="accepted; there is one backend")
+    disable_additional_properties: bool | None = Field(
+        None, description="only false: use additionalProperties: false in the schema"
+    )
+
+
+class StructuredFields(_Body):
+    """Structured output: at most one of these constrains a request's output."""
+
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": ...}'
+    )
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="older vLLM: structured_outputs.json"
+    )
+    guided_regex: str | None = Field(None, description="older vLLM: structured_outputs.regex")
+    guided_choice: list[str] | None = Field(
+        None, description="older vLLM: structured_outputs.choice"
+    )
+    guided_grammar: str | None = Field(None, description="not supported; must be omitted or null")
+
+    @property
+    def asks_for_structure(self) -> bool:
+        """Whether a constraint field is set (its compile then runs off the event loop)."""
+        fields = (self.structured_outputs, self.guided_json, self.guided_regex, self.guided_choice)
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or any(f is not None for f in fields)
+
+
+class SamplingFields(StructuredFields):
     """Fields that completions and chat completions share (OpenAI's plus vLLM-style extensions)."""
 
     model: str | None = Field(None, description="served model name; omitted means the served one")
@@ -74,7 +144,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="not supported; must be empty")
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
 
 
 class TokenizeRequest(_Body):

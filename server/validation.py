@@ -10,7 +10,15 @@ engine; the engine's own check behind it is a guard, not a second source of erro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from model.grammar import (
+    Constraint,
+    ConstraintKind,
+    GrammarError,
+    compile_constraint,
+    grammar_vocab,
+)
 from model.sampling import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
 from server.async_engine import EngineLimits
@@ -21,11 +29,27 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
+    StructuredFields,
+    StructuredOutputs,
     TokenizeRequest,
 )
 from server.settings import Settings
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A temperature this small is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf/nan.
+MIN_TEMPERATURE = 1e-5
+# older vLLM's top-level fields, each the same as a key of structured_outputs
+GUIDED_FIELDS: tuple[tuple[str, ConstraintKind], ...] = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+)
+# structured_outputs keys that ask for a constraint this server cannot build
+UNSUPPORTED_STRUCTURED = {
+    "grammar": "grammars are not supported; use json, regex or choice",
+    "structural_tag": "structural tags are not supported; use json, regex or choice",
+    "whitespace_pattern": "whitespace_pattern is not supported: JSON is written without whitespace",
+}
 
 
 @dataclass
@@ -70,6 +94,11 @@ class Validator:
     tokenizer: Tokenizer
     template: ChatTemplate
 
+    def __post_init__(self) -> None:
+        # the grammar engine's view of the vocabulary (0.15 s for GPT-2): built here, at startup,
+        # rather than on the first structured-output request
+        grammar_vocab(self.tokenizer, self.limits.vocab_size)
+
     # ---- endpoints ------------------------------------------------------------------------
 
     def completion(self, req: CompletionRequest) -> EngineInputs:
@@ -90,6 +119,7 @@ class Validator:
         prompts, texts = self._completion_prompts(req)
         for ids in prompts:
             self._check_fits(ids, max_tokens, "prompt", "max_tokens")
+        self._constrain(req, params)
         echo = None
         if req.echo:
             echo = [
@@ -101,10 +131,6 @@ class Validator:
         check_model(req.model, self.name)
         if req.tools:
             raise bad_request("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
         include_usage = self._stream_options(req)
         top = req.top_logprobs
         if top is not None:
@@ -126,6 +152,7 @@ class Validator:
             req, max_tokens, (top or 0) if req.logprobs else None, extra_stop=self.template.stop
         )
         self._check_fits(ids, max_tokens, "messages", param)
+        self._constrain(req, params)
         return EngineInputs([ids], params, bool(req.stream), include_usage)
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
@@ -276,9 +303,85 @@ class Validator:
             n=n,
         )
         try:
-            return params.validate(vocab)
+            params.validate(vocab)
         except SamplingError as exc:
             raise bad_request(f"{exc.param} {exc.message}", exc.param) from None
+        if 0 < params.temperature < MIN_TEMPERATURE:
+            params.temperature = 0.0
+        return params
+
+    # ---- structured output ----------------------------------------------------------------
+
+    def _constrain(self, req: StructuredFields, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint (if any) onto params; last, after
+        the cheap checks, since a new schema costs milliseconds to compile."""
+        params.constraint = self._constraint(req)
+        if params.constraint is not None and params.min_tokens and params.stop_token_ids:
+            # min_tokens bans the stop tokens, and the grammar may allow nothing else
+            raise bad_request(
+                "stop_token_ids cannot be combined with min_tokens in a structured-output request",
+                "stop_token_ids",
+            )
+
+    def _constraint(self, req: StructuredFields) -> Constraint | None:
+        """The request's structured-output constraint, compiled, or None; a 400 naming the
+        field when it cannot be built or more than one is set."""
+        if req.guided_grammar is not None:
+            raise bad_request("guided_grammar is not supported", "guided_grammar")
+        asked: list[tuple[str, str, ConstraintKind, Any]] = []  # (param, where, kind, spec)
+        rf = req.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", "response_format", "json_object", None))
+        elif rf is not None and rf.type == "json_schema":
+            spec = rf.json_schema and rf.json_schema.model_dump(by_alias=True, exclude_none=True)
+            asked.append(("response_format", "response_format.json_schema", "json_schema", spec))
+        if req.structured_outputs is not None:
+            asked.extend(self._structured_outputs(req.structured_outputs))
+        for param, kind in GUIDED_FIELDS:
+            if getattr(req, param) is not None:
+                asked.append((param, param, kind, getattr(req, param)))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = " and ".join(where for _, where, _, _ in asked[:2])
+            raise bad_request(
+                f"at most one structured-output constraint per request; got {names}", asked[1][0]
+            )
+        param, where, kind, spec = asked[0]
+        try:
+            return compile_constraint(
+                kind, spec, self.tokenizer, vocab_size=self.limits.vocab_size, param=param
+            )
+        except GrammarError as exc:
+            raise bad_request(f"{where}: {exc.message}", param) from None
+
+    def _structured_outputs(
+        self, so: StructuredOutputs
+    ) -> list[tuple[str, str, ConstraintKind, Any]]:
+        param = "structured_outputs"
+        for key, message in UNSUPPORTED_STRUCTURED.items():
+            if getattr(so, key) is not None:
+                raise bad_request(f"structured_outputs.{key}: {message}", param)
+        if so.disable_additional_properties:
+            raise bad_request(
+                "structured_outputs.disable_additional_properties is not supported; "
+                "set additionalProperties: false in the schema",
+                param,
+            )
+        asked: list[tuple[str, str, ConstraintKind, Any]] = []
+        if so.json_ is not None:
+            asked.append((param, "structured_outputs.json", "json", so.json_))
+        if so.regex is not None:
+            asked.append((param, "structured_outputs.regex", "regex", so.regex))
+        if so.choice is not None:
+            asked.append((param, "structured_outputs.choice", "choice", so.choice))
+        if so.json_object:
+            asked.append((param, "structured_outputs.json_object", "json_object", None))
+        if not asked:
+            raise bad_request(
+                "structured_outputs needs one of json, regex, choice or json_object", param
+            )
+        return asked
 
     def _stop_strings(self, stop: str | list[str] | None) -> list[str]:
         s = self.settings

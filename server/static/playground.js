@@ -1,12 +1,15 @@
 // gptserve playground: streams POST /v1/completions (SSE over fetch) and shows, for every
-// generated token, its probability (shading) and the model's top alternatives (popup).
+// generated token, its probability (shading) and the model's top alternatives (popup). With a
+// JSON schema the request carries response_format json_schema, and the alternatives are those of
+// the masked distribution: only tokens the schema allows, renormalised.
 // Plain browser JavaScript, no dependencies. The API key lives in `apiKey` only: it is never
 // written to localStorage, sessionStorage or a cookie.
 "use strict";
 
 (() => {
   const TOP_N = 5; // alternatives requested per token (the server allows up to 20)
-  const FIELDS = ["prompt", "temperature", "top_p", "top_k", "max_tokens", "api_key"];
+  const FIELDS = ["prompt", "temperature", "top_p", "top_k", "max_tokens", "json_schema", "api_key"];
+  const PARAM_FIELDS = { response_format: "json_schema" }; // request fields shown at another form field
   const NUMBER_FIELDS = ["temperature", "top_p", "top_k", "max_tokens"];
 
   const $ = (id) => document.getElementById(id);
@@ -24,6 +27,7 @@
   let tokens = [];        // [{offset, p, top, token, span}] of the current completion
   let text = "";          // the completion's text so far
   let pinned = null;      // the token span whose popup was opened by click/tap
+  let constrained = false; // the current completion follows a JSON schema
 
   /** An OpenAI-shaped error: {message, type, param, code} plus the HTTP status. */
   class ApiError extends Error {
@@ -87,7 +91,8 @@
         setStatus("not authorized");
         return;
       }
-      const field = FIELDS.includes(err.param) ? err.param : "general";
+      const param = PARAM_FIELDS[err.param] || err.param;
+      const field = FIELDS.includes(param) ? param : "general";
       const where = field === "general" && err.param ? ` (${err.param})` : "";
       const prefix = err.status ? `${err.status}: ` : "";
       setError(field, field === "general" ? `${prefix}${err.message}${where}` : err.message);
@@ -123,7 +128,32 @@
       const raw = input.value.trim();
       if (raw !== "") body[name] = Number(raw);
     }
+    const schemaText = $("json_schema").value.trim();
+    if (schemaText !== "") {
+      let schema;
+      try {
+        schema = JSON.parse(schemaText);
+      } catch (err) {
+        setError("json_schema", `Not valid JSON: ${err.message}`);
+        return null;
+      }
+      if (schema === null || typeof schema !== "object" || Array.isArray(schema)) {
+        setError("json_schema", "A JSON schema is an object, such as {\"type\": \"object\"}.");
+        return null;
+      }
+      body.response_format = { type: "json_schema", json_schema: { name: "playground", schema } };
+    }
     return ok ? body : null;
+  }
+
+  /** For a constrained run: whether the completion parses as JSON. */
+  function jsonVerdict() {
+    try {
+      JSON.parse(text);
+      return " · valid JSON";
+    } catch (_) {
+      return " · not complete JSON";
+    }
   }
 
   function setStatus(message) {
@@ -144,6 +174,7 @@
     if (!body) return;
     apiKey = $("api_key").value.trim();
     resetOutput(body.prompt);
+    constrained = Boolean(body.response_format);
     controller = new AbortController();
     const { signal } = controller;
     const started = performance.now();
@@ -162,7 +193,8 @@
       finish = await readStream(resp, signal);
       const secs = (performance.now() - started) / 1000;
       const rate = tokens.length && secs > 0 ? ` · ${(tokens.length / secs).toFixed(1)} tok/s` : "";
-      setStatus(`done (${finish || "no finish reason"}) · ${tokens.length} tokens · ${secs.toFixed(1)} s${rate}`);
+      const verdict = constrained ? jsonVerdict() : "";
+      setStatus(`done (${finish || "no finish reason"}) · ${tokens.length} tokens · ${secs.toFixed(1)} s${rate}${verdict}`);
     } catch (err) {
       if (signal.aborted) {
         setStatus(`stopped after ${tokens.length} tokens`);
@@ -297,6 +329,12 @@
       .map(([t, lp]) => [t, Math.exp(lp)])
       .sort((a, b) => b[1] - a[1]);
     popup.replaceChildren(head);
+    if (constrained) {
+      const note = document.createElement("p");
+      note.className = "masked";
+      note.textContent = "Masked by the JSON schema: only allowed tokens, renormalised.";
+      popup.append(note);
+    }
     if (!alts.length) {
       const none = document.createElement("p");
       none.className = "none";

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import jsonschema
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
@@ -294,6 +295,61 @@ def test_wrong_api_key_shows_auth_error(page: Page) -> None:
     expect(error).to_be_hidden()
     stored = page.evaluate("[localStorage.length, sessionStorage.length, document.cookie]")
     assert stored == [0, 0, ""]  # the key stays in memory
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_box_constrains_the_output(page: Page) -> None:
+    fill_form(page, prompt="A person:", max_tokens="60", json_schema=json.dumps(PERSON))
+    page.click("#run")
+    expect(page.locator("#status")).to_contain_text("done (stop)")
+    expect(page.locator("#status")).to_contain_text("valid JSON")
+    jsonschema.validate(json.loads("".join(token_spans(page))), PERSON)
+
+    # the next-token view shows the masked distribution: an object starts with `{`, so every
+    # alternative of the first token does, and their shares are those of the allowed tokens only
+    page.locator("#output-tokens .tok").first.hover()
+    popup = page.locator("#popup")
+    expect(popup.locator(".masked")).to_be_visible()
+    alternatives = popup.locator(".alt-token").all_inner_texts()
+    assert alternatives and all(t.startswith("{") for t in alternatives), alternatives
+    shares = [
+        float(p.rstrip("%")) for p in popup.locator(".alt-pct").all_inner_texts() if p[0] != "<"
+    ]
+    assert sum(shares) <= 100.5
+
+    page.fill("#json_schema", "")  # an empty box: free text again, no note in the popup
+    fill_form(page, max_tokens="3")
+    page.click("#run")
+    expect(page.locator("#status")).to_contain_text("done (length)")
+    expect(page.locator("#status")).not_to_contain_text("JSON")
+    page.locator("#output-tokens .tok").first.hover()
+    expect(popup.locator(".masked")).to_have_count(0)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [("{not json", "Not valid JSON"), ("[1]", "is an object"),
+     ('{"type": "array", "uniqueItems": true}', "uniqueItems")],
+)  # fmt: skip
+def test_bad_json_schema_is_shown_next_to_the_box(page: Page, schema: str, message: str) -> None:
+    fill_form(page, max_tokens="3", json_schema=schema)
+    page.click("#run")
+    error = page.locator("#err-json_schema")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text(message)
+    expect(page.locator("#json_schema")).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#err-general")).to_be_hidden()
+    assert token_spans(page) == []
 
 
 @pytest.mark.skipif(
