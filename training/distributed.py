@@ -49,6 +49,11 @@ def all_gather(obj: Any) -> list[Any]:
     return objs
 
 
+def wait_for_every_rank() -> None:
+    """Return once every rank got here (a barrier over the CPU group)."""
+    all_gather(None)
+
+
 def on_rank0(fn: Callable[[], T], info: Dist) -> T:
     """fn() on rank 0 only; its result, or the TrainError it raised, on every rank."""
     box: list[Any] = [None]
@@ -77,3 +82,11 @@ def on_every_rank(fn: Callable[[], T]) -> T:
             message, code = failed
             raise TrainError(message if rank == 0 else f"rank {rank}: {message}", code)
     return result
+
+
+def same_on_every_rank(value: object, what: str, hint: str) -> None:
+    """Raise the same TrainError on every rank unless all ranks hold an equal `value`."""
+    values = all_gather(value)
+    if any(v != values[0] for v in values):
+        seen = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise TrainError(f"the ranks see different {what} ({seen}); {hint}")

@@ -16,7 +16,14 @@ from model import get_tokenizer
 from model.cpu_memory import retain_freed_memory
 from training.config import ARCH_KEYS, DTYPES, TrainConfig
 from training.data import BatchSampler, prepare_data, split_tokens
-from training.distributed import Dist, all_gather, on_every_rank, on_rank0
+from training.distributed import (
+    Dist,
+    all_gather,
+    on_every_rank,
+    on_rank0,
+    same_on_every_rank,
+    wait_for_every_rank,
+)
 from training.errors import TrainError
 from training.metrics import LOSS_PLOT, METRICS_FILE, append_metrics, plot_losses, trim_metrics
 from training.setup import autocast_for, build_model, check_out_dir, pick_device
@@ -47,15 +54,11 @@ def train(cfg: TrainConfig, info: Dist) -> None:
 
     # ---------------------------------------------------------------------------- data, model
     state = on_every_rank(lambda: read_train_state(out) if cfg.resume else None)
-    steps = all_gather(None if state is None else state["step"])
-    if len(set(steps)) > 1:  # every rank reads train_state.pt itself
-        seen = ", ".join(
-            f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(steps)
-        )
-        raise TrainError(
-            f"the ranks see different runs in --out {out} ({seen}); every node must see --out "
-            f"on a shared filesystem"
-        )
+    same_on_every_rank(  # every rank reads train_state.pt itself
+        "none" if state is None else f"step {state['step']}",
+        f"runs in --out {out}",
+        "every node must see --out on a shared filesystem",
+    )
     vocab_size = get_tokenizer("gpt2").vocab_size
     if not cfg.resume and cfg.init_from is None:  # before the slow parts
         on_rank0(lambda: check_out_dir(out, cfg.model_config(vocab_size)), info)
@@ -199,3 +202,4 @@ def train(cfg: TrainConfig, info: Dist) -> None:
     if info.master:
         best = f", best val loss {best_val:.4f} in {out / BEST_DIR}" if best_val < math.inf else ""
         print(f"done: {step} steps; checkpoint in {out}{best}")
+    wait_for_every_rank()  # no rank leaves the process group while rank 0 still writes

@@ -69,7 +69,12 @@ def start_nodes(
 ) -> list[subprocess.Popen]:
     """One torchrun agent per entry of node_args (that node's train.py flags)."""
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONFAULTHANDLER": "1",
+    }
     procs = []
     for n, args in enumerate(node_args):
         cmd = [
@@ -83,15 +88,20 @@ def start_nodes(
     return procs
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
+def wait_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[int | None]:
+    """The agents' exit codes; None for one still running at the deadline (then killed)."""
     deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return codes
 
 
 def logs_text(logs: Path) -> str:
