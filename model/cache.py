@@ -13,6 +13,8 @@ partly filled block of a prompt that n > 1 completions share) first gets a copy 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -52,7 +54,9 @@ class KVCache:
         self.prefix_caching = prefix_caching
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
-        self._keys: dict[int, list[int]] = {}  # seq_id -> key of each of its full blocks, in order
+        self._keys: dict[
+            int, list[bytes]
+        ] = {}  # seq_id -> key of each of its full blocks, in order
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found there
 
@@ -101,8 +105,8 @@ class KVCache:
         blocks = self._tables.pop(seq_id, None)
         self._lens.pop(seq_id, None)
         self._keys.pop(seq_id, None)
-        if blocks:
-            self.allocator.free(blocks)
+        if blocks:  # last blocks first: they go out of the cache before the ones they extend
+            self.allocator.free(reversed(blocks))
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep only the sequence's first `length` tokens (rejected speculative tokens go)."""
@@ -110,7 +114,7 @@ class KVCache:
             raise ValueError(f"sequence {seq_id} has {self.seq_len(seq_id)} tokens, not {length}")
         table = self._tables[seq_id]
         keep = -(-length // self.block_size)
-        self.allocator.free(table[keep:])
+        self.allocator.free(reversed(table[keep:]))
         del table[keep:]
         self._lens[seq_id] = length
         del self._keys.setdefault(seq_id, [])[length // self.block_size :]
@@ -137,7 +141,7 @@ class KVCache:
         if not self.prefix_caching:
             return 0
         bs = self.block_size
-        keys: list[int] = []
+        keys: list[bytes] = []
         blocks: list[int] = []
         for i in range((len(token_ids) - 1) // bs):
             key = self._block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
@@ -151,9 +155,14 @@ class KVCache:
         self._tables[seq_id] = blocks
         self._lens[seq_id] = len(blocks) * bs
         self._keys[seq_id] = keys
-        self.prefix_queried_tokens += len(token_ids)
-        self.prefix_hit_tokens += len(blocks) * bs
         return len(blocks) * bs
+
+    def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
+        """Count an admitted prompt's lookup in the prefix cache (for /metrics)."""
+        if not self.prefix_caching:
+            return
+        self.prefix_queried_tokens += num_tokens
+        self.prefix_hit_tokens += num_hit
 
     def register_full_blocks(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')."""
@@ -161,17 +170,21 @@ class KVCache:
             return
         keys, table = self._keys.setdefault(seq_id, []), self._tables.get(seq_id, [])
         bs = self.block_size
-        for i in range(len(keys), self.seq_len(seq_id) // bs):
+        known = min(self.seq_len(seq_id), len(token_ids))  # a finished sequence may know fewer
+        for i in range(len(keys), known // bs):
             keys.append(
                 self._block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
             )
             self.allocator.set_key(table[i], keys[-1])
 
     @staticmethod
-    def _block_key(parent: int | None, tokens: Sequence[int]) -> int:
-        """A block's key: a hash of its tokens and of its parent block's key (so: of every token
-        before it). 64-bit; a collision would need two prefixes of equal hash chains."""
-        return hash((parent, tuple(tokens)))
+    def _block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        """A block's key: a digest of its tokens and of its parent block's key, so of every token
+        before it too. A cryptographic digest, so no prompt can be built to collide with another's
+        cached blocks (Python's 64-bit hash() could be)."""
+        digest = hashlib.blake2b(parent or b"", digest_size=16)
+        digest.update(array("q", tokens).tobytes())
+        return digest.digest()
 
     def audit(self) -> None:
         """Assert the pool's invariants (reference counts match the tables; see BlockAllocator)."""
@@ -182,9 +195,11 @@ class KVCache:
     def prepare(self, batch: Sequence[tuple[int, int]]) -> AttentionMetadata:
         """Reserve room for (seq_id, new_tokens) pairs and describe the step to attention.
 
-        All or nothing: raises OutOfBlocks with the cache unchanged if the pool is too small. A
-        sequence about to write into a block it shares gets its own copy of that block first.
+        All or nothing: raises OutOfBlocks (the pool is too small) or ValueError (a sequence with no
+        new token) with the cache unchanged. A sequence about to write into a block it shares gets its own copy of that block first.
         """
+        if any(n < 1 for _, n in batch):
+            raise ValueError("every sequence of a step needs at least one new token")
         needed = sum(self.blocks_needed(s, n) for s, n in batch)
         if needed > self.allocator.num_free:
             raise OutOfBlocks(f"batch needs {needed} KV blocks, {self.allocator.num_free} free")

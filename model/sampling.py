@@ -3,7 +3,8 @@
 The sampler turns a batch of logits into one token per row, with the token's logprob and the top-N
 alternatives. Logprobs are those of the model's distribution after logit_bias and penalties, before
 temperature and truncation (top-k/top-p/min-p), so they describe the model, not the dice.
-Each seeded row draws its noise from its own generator: its tokens do not depend on its batch.
+Each seeded row draws its noise from its own generator: its tokens do not depend on its batch
+(with speculative decoding they are still reproducible, but differ from a run without it).
 The sampler runs on the logits' device and reads its results back to the host once per call.
 """
 

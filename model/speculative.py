@@ -20,6 +20,7 @@ the guesses before it counted as output), temperature and top-k/top-p/min-p.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -31,15 +32,20 @@ def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> 
     """Prompt lookup: find the sequence's last n tokens earlier in it and propose what followed.
 
     The longest n in [min_n, max_n] with a match wins, and its latest earlier occurrence. Returns
-    up to k tokens (none when nothing matches).
+    up to k tokens (none when nothing matches). The search runs over the tokens as bytes
+    (`bytes.rfind`), so it costs microseconds even for thousands of tokens.
     """
-    if k <= 0:
+    if k <= 0 or len(tokens) < 2:
         return []
+    data = array("q", tokens).tobytes()  # 8 bytes a token
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
+        tail = data[-8 * n :]
+        end = 8 * (len(tokens) - 1)  # a match must end before the last token: not the tail itself
+        while (at := data.rfind(tail, 0, end)) >= 0:
+            if at % 8 == 0:  # aligned on a token
+                start = at // 8 + n
+                return tokens[start : start + k]
+            end = at + len(tail) - 1  # look further left
     return []
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.cache import KVCache, OutOfBlocks
+from model.cache import KVCache
 from model.gpt import GPT
 from model.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
 from model.sampling import SampleRow, SamplingParams, prompt_logprobs, sample
@@ -187,7 +187,12 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Run one batched forward and return the events it produced."""
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.max_len)
+            try:
+                self.speculator.propose(self.scheduler.running, self.max_len)
+            except Exception:  # a proposer fault costs the guesses, never the engine
+                log.exception("speculative proposal failed")
+                for seq in self.scheduler.running:
+                    seq.guesses = []
         batch = self.scheduler.schedule()
         if batch.preempted:  # counted for the server's /metrics, and logged
             self.num_preemptions += len(batch.preempted)
@@ -236,7 +241,7 @@ class Engine:
                 torch.tensor(tokens, device=self.device),
                 self.cache,
                 meta,
-                logits_index=torch.tensor(rows, device=self.device),
+                logits_index=torch.tensor(rows, dtype=torch.long, device=self.device),
             )  # (len(rows), V), on the model's device
 
         events: list[TokenEvent] = []
@@ -279,15 +284,11 @@ class Engine:
                 req.prompt_lp.append(TokenLogprob(tok, lp, list(zip(ids, lps))))
 
     def _fork(self, req: _Request) -> list[Sequence]:
-        """After the shared prefill, give the other n - 1 completions a copy of its cache."""
+        """After the shared prefill, the other n - 1 completions share its blocks (copied on write)."""
         parent = req.seqs[0]
         children = []
         for child in req.seqs[1:]:
-            try:
-                self.cache.fork(parent.seq_id, child.seq_id)
-            except OutOfBlocks:  # no room to copy: it recomputes the prompt when admitted
-                self.scheduler.add(child)
-                continue
+            self.cache.fork(parent.seq_id, child.seq_id)
             child.num_cached = parent.num_cached
             self.scheduler.add_running(child)
             children.append(child)
@@ -328,7 +329,6 @@ class Engine:
         self.speculator.record(seq, out.num_accepted)
         settled = seq.num_cached + 1 + out.num_accepted  # the last token and the accepted guesses
         self.cache.truncate(seq.seq_id, settled)
-        self.speculator.proposer.keep(seq.seq_id, settled)
         seq.num_cached, seq.guesses = settled, []
         text, lps, emitted = "", [], []
         for i, token in enumerate(out.tokens):

@@ -61,7 +61,13 @@ class Scheduler:
         while True:
             items = self._plan()
             needed = sum(self.cache.blocks_needed(s.seq_id, n) for s, n in items)
-            if needed <= self.cache.num_free_blocks or len(self.running) <= 1:
+            if needed <= self.cache.num_free_blocks:
+                break
+            if any(s.guesses for s in self.running):  # drop speculative guesses before anyone
+                for s in self.running:
+                    s.guesses = []
+                continue
+            if len(self.running) <= 1:
                 break
             victim = self.running.pop()  # newest first
             self._preempt(victim)
@@ -101,8 +107,6 @@ class Scheduler:
             # prompt logprobs need every prompt position computed: such requests reuse nothing
             if not self.cache.holds(seq.seq_id) and seq.params.prompt_logprobs is None:
                 seq.num_cached = self.cache.reuse_prefix(seq.seq_id, seq.token_ids)
-                if seq.num_generated == 0:
-                    seq.num_prefix_hit = seq.num_cached
             n = min(seq.pending, budget)
             need = self.cache.blocks_needed(seq.seq_id, n)
             free = self.cache.num_free_blocks - reserved  # reused blocks are no longer free
@@ -113,6 +117,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.num_generated == 0 and seq.params.prompt_logprobs is None:  # first admission
+                seq.num_prefix_hit = seq.num_cached
+                self.cache.count_prefix_query(seq.num_prompt, seq.num_cached)
             items.append((seq, n))
             budget -= n
             reserved += need

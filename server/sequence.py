@@ -4,7 +4,8 @@ Each completion's tokens are decoded once, here, by one incremental detokenizer;
 the released text and where each token's text begins, which is all the HTTP layer needs. Text that
 might still turn out to be the start of a stop string is held back, so a stop string split across
 tokens never leaks into the stream. Stop strings, like the end-of-text token, cannot end a
-completion before `min_tokens` tokens were generated.
+completion before `min_tokens` tokens were generated, except that a structured output (a grammar
+constraint) ends when its grammar is complete.
 """
 
 from __future__ import annotations

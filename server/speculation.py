@@ -42,9 +42,6 @@ class NgramProposer:
     def forget(self, seq_id: int) -> None:
         pass
 
-    def keep(self, seq_id: int, length: int) -> None:
-        pass
-
 
 class DraftProposer:
     """A small model decodes k tokens greedily for each sequence, over its own paged cache."""
@@ -54,6 +51,9 @@ class DraftProposer:
         blocks = max_num_seqs * -(-model.config.block_size // block_size)
         self.cache = model.make_cache(blocks, block_size, prefix_caching=False)
         self.device = next(model.parameters()).device
+        # tokens of each sequence fed to the draft as the sequence's own (its guesses after them
+        # are the draft's, dropped before the next proposal whether they were checked or not)
+        self._real: dict[int, int] = {}
 
     @torch.inference_mode()
     def propose(self, seqs: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
@@ -62,7 +62,13 @@ class DraftProposer:
         for s, k in seqs:
             if len(s.token_ids) + k <= self.model.config.block_size:
                 todo.append((s, k))
-        feed = {s.seq_id: s.token_ids[self.cache.seq_len(s.seq_id) :] for s, _ in todo}
+        feed = {}
+        for s, _ in todo:
+            real = self._real.get(s.seq_id, 0)
+            if self.cache.seq_len(s.seq_id) > real:
+                self.cache.truncate(s.seq_id, real)
+            feed[s.seq_id] = s.token_ids[real:]
+            self._real[s.seq_id] = len(s.token_ids)
         guesses: dict[int, list[int]] = {s.seq_id: [] for s, _ in todo}
         for step in range(max((k for _, k in todo), default=0)):
             batch = [(s, feed[s.seq_id]) for s, k in todo if step < k]
@@ -79,11 +85,7 @@ class DraftProposer:
 
     def forget(self, seq_id: int) -> None:
         self.cache.free(seq_id)
-
-    def keep(self, seq_id: int, length: int) -> None:
-        """The sequence's first `length` tokens are settled; the draft drops what it has past them."""
-        if self.cache.seq_len(seq_id) > length:
-            self.cache.truncate(seq_id, length)
+        self._real.pop(seq_id, None)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class _Record:
     attempts: int = 0
     proposed: int = 0
     accepted: int = 0
+    misses: int = 0  # proposals in a row that had no guess to offer
     paused_until: int = 0  # a step count: no guesses before it
 
 
@@ -110,7 +113,9 @@ class Speculator:
     def propose(self, running: list[Sequence], max_len: int) -> None:
         """Set `guesses` on the decoding sequences that get some this step (and clear the rest)."""
         self._steps += 1
-        decoding = [s for s in running if s.pending == 1]
+        # decoding sequences past their first token (a prompt's last chunk samples plainly: n > 1
+        # forks happen there)
+        decoding = [s for s in running if s.pending == 1 and s.num_generated >= 1]
         for s in running:
             s.guesses = []
         if not decoding or len(decoding) > self.max_batch:
@@ -124,11 +129,17 @@ class Speculator:
         got = self.proposer.propose(wanted)
         for s, k in wanted:
             s.guesses = got.get(s.seq_id, [])[:k]
+            if not s.guesses:  # nothing to offer, again and again: stop asking for a while
+                r = self._records[s.seq_id]
+                r.misses += 1
+                if r.misses >= 4:
+                    r.paused_until, r.misses = self._steps + self.pause_steps, 0
 
     def record(self, seq: Sequence, accepted: int) -> None:
         """Count a verification; pause a sequence whose guesses keep failing."""
         r = self._records.setdefault(seq.seq_id, _Record())
         r.attempts += 1
+        r.misses = 0
         r.proposed += len(seq.guesses)
         r.accepted += accepted
         self.proposed_tokens += len(seq.guesses)

@@ -64,10 +64,6 @@ def test_a_prompt_reuses_the_longest_run_of_matching_full_blocks():
     assert cache.reuse_prefix(5, [7] + first[1:]) == 0  # a different first token: no match
     assert cache.block_table(2) == table[:2]
     assert cache.allocator.ref(table[0]) == 5 and cache.allocator.ref(table[1]) == 3
-    assert (cache.prefix_queried_tokens, cache.prefix_hit_tokens) == (
-        11 + 9 + 9 + 11 + 8 + 11,
-        4 + 8 + 8 + 4,
-    )
     cache.audit()
 
 
@@ -114,4 +110,15 @@ def test_a_cached_prefix_gives_the_logits_a_full_prefill_gives():
         assert hit == 20
         rest = model.forward_cached(prompt[hit:], cache, cache.prepare([(1, 23 - hit)]))
     torch.testing.assert_close(rest, full, atol=1e-5, rtol=1e-5)
+    cache.audit()
+
+
+def test_a_released_prompt_loses_its_last_blocks_first_so_its_prefix_stays_reachable():
+    cache = _cache(3)
+    prompt = list(range(13))  # three full blocks of 4 and one more token
+    cache.prepare([(0, 12)])
+    cache.register_full_blocks(0, prompt)
+    cache.free(0)
+    cache.prepare([(2, 8)])  # room for someone else: two cached blocks are evicted
+    assert cache.reuse_prefix(1, prompt) == 4  # the first block is the one left
     cache.audit()

@@ -55,3 +55,21 @@ def test_sampled_tokens_keep_the_model_distribution(guess):
     # the first kept token is distributed as p whatever the guess; 5 sigma of a binomial
     sigma = (p * (1 - p) / trials).sqrt()
     assert ((first / trials - p).abs() < 5 * sigma).all(), first / trials
+
+
+def _naive_lookup(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_prompt_lookup_agrees_with_a_plain_search_whatever_the_token_bytes():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        # few distinct tokens, some sharing bytes across token boundaries (256, 1, 65536, ...)
+        alphabet = torch.tensor([0, 1, 256, 65536, 257, 50256])
+        n = int(torch.randint(2, 40, (1,), generator=gen))
+        tokens = alphabet[torch.randint(0, 6, (n,), generator=gen)].tolist()
+        assert propose_ngram(tokens, 4) == _naive_lookup(tokens, 4), tokens

@@ -96,3 +96,29 @@ def test_bad_configurations_are_refused(model, tok):
         Engine(model, tok, EngineConfig(speculative="draft"))
     with pytest.raises(ValueError, match='"ngram" or "draft"'):
         Engine(model, tok, EngineConfig(speculative="medusa"))
+
+
+def test_a_lone_prompt_longer_than_a_step_is_prefilled_in_chunks(model, tok):
+    engine = Engine(model, tok, EngineConfig(block_size=8, max_batch_tokens=16))
+    out, _ = run(engine, {"long": (repeating_prompts(1)[0], GREEDY)})  # 36 tokens, 16 a step
+    assert len(out[("long", 0)]["tokens"]) == 40
+
+
+def test_draft_speculation_survives_preemption_and_matches_plain(model, tok):
+    requests = {str(i): (p, GREEDY) for i, p in enumerate(repeating_prompts(3))}
+    plain, _ = run(Engine(model, tok, EngineConfig(block_size=4, num_blocks=40)), requests)
+    config = EngineConfig(block_size=4, num_blocks=40, speculative="draft")
+    engine = Engine(model, tok, config, draft_model=model)
+    spec, _ = run(engine, requests)  # 3 x 76 tokens in 160 slots: sequences are preempted
+    assert spec == plain
+
+
+def test_n_completions_fork_when_the_prompt_ends_in_a_one_token_chunk(model, tok):
+    # a request already decoding, then one whose prompt's last chunk is a single token
+    prompts = repeating_prompts(2)
+    config = dict(block_size=8, max_batch_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    requests = {"a": (prompts[0], GREEDY), "b": (prompts[1][:16], params)}
+    plain, _ = run(Engine(model, tok, EngineConfig(**config)), requests)
+    spec, _ = run(Engine(model, tok, EngineConfig(**config, speculative="ngram")), requests)
+    assert spec == plain and len(spec[("b", 1)]["tokens"]) == 12
