@@ -6,6 +6,7 @@ was allowed. For 32 sequences, 32 copies start at staggered offsets into the tex
 at EOS) and `fill_bitmask` fills all 32 rows per step; the figure is step time / 32.
 
     python bench/structured.py [--steps 200] [--compare]
+    python bench/structured.py --engine [--small] [--rounds 5] [--new-tokens 32] [--threads N]
 
 Columns: compile (a cold compile, cache cleared, plus the first mask), fill for 1 and 32 sequences
 (mean and p99 per token, 1 sequence; for 32, rows filled in a loop and on llguidance's thread
@@ -13,6 +14,17 @@ pool, POOL_THREADS threads), and `to bool`: turning one row into the (V,) bool m
 sampler applies, the part every engine would share. --compare replays the same tokens through the
 other engines that were considered, where installed (xgrammar, outlines-core), through their own
 APIs with the same settings (compact JSON, no free whitespace).
+
+--engine: tokens/s of constrained against free generation through the Engine, 1 and 32 streams,
+on a random GPT-2 124M (`--small`: 4 layers, 256 wide) passed through `optimize_for_cpu` as the
+CLIs do. Each stream generates exactly --new-tokens tokens: the free ones ignore EOS, the
+constrained ones follow a schema (an array of orders) that cannot close that soon. Each round runs
+the two sides back to back (which goes first alternates), so a slow spell on a shared machine does
+not land on one side only; the ratio is the median of the rounds' ratios. Besides wall-clock
+tokens/s it reports tokens per CPU-second of this process, which other processes' load moves much
+less. Last, one timed run per side at the widest batch says where a step's time goes: the model,
+the sampler (which applies the mask), filling the mask, turning it into the bool mask, advancing
+the grammars.
 """
 
 from __future__ import annotations
@@ -22,14 +34,18 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
 
-from model import get_tokenizer  # noqa: E402
+import server.engine as engine_module  # noqa: E402
+from model import GPT, ModelConfig, get_tokenizer  # noqa: E402
+from model.cpu import optimize_for_cpu  # noqa: E402
 from model.grammar import (  # noqa: E402
     POOL_THREADS,
     Constraint,
@@ -40,6 +56,8 @@ from model.grammar import (  # noqa: E402
     fill_bitmask,
     grammar_vocab,
 )
+from model.sampling import SamplingParams  # noqa: E402
+from server.engine import Engine, EngineConfig  # noqa: E402
 
 ORDER_SCHEMA = {
     "type": "object",
@@ -308,11 +326,193 @@ def compare_outlines(tok) -> None:
         )
 
 
+# ---- through the engine: constrained against free generation ----
+
+# orders, as many as fit: no stream can finish the array within the tokens generated
+ORDERS_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+            "customer": {"type": "string", "maxLength": 12},
+            "status": {"enum": ["open", "shipped", "closed"]},
+            "express": {"type": "boolean"},
+            "lines": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+                "maxItems": 3,
+            },
+        },
+        "required": ["id", "customer", "status", "express", "lines"],
+        "additionalProperties": False,
+    },
+    "minItems": 1000,
+}
+
+
+def run_streams(
+    engine: Engine, prompts: list[list[int]], new: int, constraint: Constraint | None
+) -> tuple[float, float]:
+    """Generate `new` tokens for every prompt at once (sampled, seeded); returns (wall seconds,
+    this process's CPU seconds)."""
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=1.0, seed=i, max_tokens=new, ignore_eos=True, constraint=constraint
+        )
+        engine.add_request(str(i), prompt, params)
+    produced = 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    while engine.has_work():
+        for event in engine.step():
+            produced += len(event.token_ids)
+            if event.error is not None:
+                raise RuntimeError(event.error)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if produced != new * len(prompts):
+        raise AssertionError(f"{produced} tokens, not {new} x {len(prompts)}")
+    return seconds, cpu
+
+
+@contextmanager
+def timed_parts(engine: Engine, totals: dict[str, float]) -> Iterator[None]:
+    """Add the CPU time (this process's) of the engine's parts to `totals` while inside."""
+    wrapped = [
+        (engine.model, "forward_cached", "model forward"),
+        (engine_module, "sample", "sampler (applies the mask)"),
+        (engine_module, "fill_bitmask", "fill mask (llguidance)"),
+        (engine_module, "bitmask_to_bool", "bitmask -> bool"),
+        (Constraint, "advance", "advance grammars"),
+    ]
+    originals = [getattr(owner, name) for owner, name, _ in wrapped]
+
+    def timer(function: Callable, label: str) -> Callable:
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[label] += time.process_time() - start
+
+        return timed
+
+    try:
+        for (owner, name, label), original in zip(wrapped, originals):
+            setattr(owner, name, timer(original, label))
+        yield
+    finally:
+        for (owner, name, _), original in zip(wrapped, originals):
+            if owner is engine.model:
+                delattr(owner, name)  # the instance attribute shadowed the method
+            else:
+                setattr(owner, name, original)
+
+
+def engine_bench(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = ModelConfig(n_layer=4, n_head=4, n_embd=256) if args.small else ModelConfig()
+    model = GPT(config)
+    n_params = model.num_params()
+    model = optimize_for_cpu(model)
+    tok = get_tokenizer("gpt2")
+    widths = [int(x) for x in args.streams.split(",")]
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=max(widths), block_size=16))
+    constraint = compile_constraint("json", ORDERS_SCHEMA, tok, vocab_size=config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, tok.vocab_size, (16,), generator=gen).tolist() for _ in range(64)]
+    new = args.new_tokens
+    run_streams(engine, prompts[:2], 4, None)  # warm-up, both sides
+    run_streams(engine, prompts[:2], 4, constraint)
+    sides = [("free", None), ("constrained", constraint)]
+    wall: dict[tuple[str, int], list[float]] = defaultdict(list)  # tok/s, one per round
+    cpu: dict[tuple[str, int], list[float]] = defaultdict(list)  # tok per CPU-second
+    for r in range(args.rounds):
+        for width in widths:
+            for side, c in sides if (r + width) % 2 == 0 else sides[::-1]:
+                seconds, cpu_seconds = run_streams(engine, prompts[:width], new, c)
+                wall[(side, width)].append(width * new / seconds)
+                cpu[(side, width)].append(width * new / cpu_seconds)
+                print(
+                    f"  round {r + 1}: {side:11s} x{width:<3d} {wall[(side, width)][-1]:8.1f} "
+                    f"tok/s  {cpu[(side, width)][-1]:8.1f} tok/CPU-s",
+                    flush=True,
+                )
+    # where the time goes at the widest batch: each side's cheapest of two timed runs
+    widest = max(widths)
+    parts: dict[str, dict[str, float]] = {}
+    for side, c in sides + sides[::-1]:
+        totals: dict[str, float] = defaultdict(float)
+        with timed_parts(engine, totals):
+            totals["total"] = run_streams(engine, prompts[:widest], new, c)[1]
+        if side not in parts or totals["total"] < parts[side]["total"]:
+            parts[side] = totals
+
+    print(
+        f"\nengine: random GPT-2 {n_params / 1e6:.0f}M ({config.n_layer} layers, "
+        f"{config.n_embd} wide), float32, CPU, {torch.get_num_threads()} threads, prompt 16, "
+        f"{new} new tokens per stream, temperature 1, {args.rounds} alternating rounds"
+    )
+    print(
+        "tok/s: wall clock, best round; tok/CPU-s: tokens per CPU-second of this process, median "
+        "round (other processes' load moves it less); ratio: constrained / free, paired by round, "
+        "median"
+    )
+    print(
+        f"{'streams':>7} {'free tok/s':>11} {'constr. tok/s':>14} {'ratio':>6}   "
+        f"{'free tok/CPU-s':>14} {'constr. tok/CPU-s':>17} {'ratio':>6} {'cost':>6}"
+    )
+    for width in widths:
+        free, con = wall[("free", width)], wall[("constrained", width)]
+        free_cpu, con_cpu = cpu[("free", width)], cpu[("constrained", width)]
+        ratio = statistics.median(c / f for c, f in zip(con, free))
+        ratio_cpu = statistics.median(c / f for c, f in zip(con_cpu, free_cpu))
+        print(
+            f"{width:7d} {max(free):11.1f} {max(con):14.1f} {ratio:6.3f}   "
+            f"{statistics.median(free_cpu):14.1f} {statistics.median(con_cpu):17.1f} "
+            f"{ratio_cpu:6.3f} {1 - ratio_cpu:6.1%}"
+        )
+    steps = new + 1  # the prefill step samples the first token
+    print(f"\nwhere a step's time goes at x{widest}, CPU ms per step (cheaper of two timed runs):")
+    print(f"  {'':28s} {'free':>8s} {'constrained':>12s}")
+    labels = ["model forward", "sampler (applies the mask)", "fill mask (llguidance)",
+              "bitmask -> bool", "advance grammars"]  # fmt: skip
+    for label in [*labels, "rest (engine)", "total"]:
+        row = []
+        for side in ("free", "constrained"):
+            t = parts[side]
+            value = t["total"] - sum(t[k] for k in labels) if label == "rest (engine)" else t[label]
+            row.append(value / steps * 1e3)
+        print(f"  {label:28s} {row[0]:8.2f} {row[1]:12.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="batched fill steps per workload")
     parser.add_argument("--compare", action="store_true", help="also time xgrammar, outlines-core")
+    parser.add_argument(
+        "--engine", action="store_true", help="tokens/s through the Engine, constrained vs free"
+    )
+    parser.add_argument("--small", action="store_true", help="--engine: a 4-layer, 256-wide model")
+    parser.add_argument("--streams", default="1,32", help="--engine: concurrent streams")
+    parser.add_argument("--rounds", type=int, default=5, help="--engine: alternating rounds")
+    parser.add_argument("--new-tokens", type=int, default=32, help="--engine: tokens per stream")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="--engine: torch threads (0: torch's default)"
+    )
     args = parser.parse_args()
+    if args.engine:
+        engine_bench(args)
+        return
     tok = get_tokenizer("gpt2")
     print(f"llguidance (model/grammar.py), GPT-2 vocabulary, pool of {POOL_THREADS} threads")
     ours(tok, args.steps)

@@ -4,6 +4,8 @@ Every schema here bounds its output: strings have a maxLength, a pattern or a fo
 length, arrays a maxItems, integers a range, objects `additionalProperties: false`. Whatever the
 model's weights (a random model picks nearly uniformly among the allowed tokens), generation then
 reaches the end of the grammar within BOUNDED_MAX_TOKENS tokens and finishes with "stop".
+(tests/model/test_grammar.py keeps its own list, with free strings and numbers: its random walks
+steer toward an end, which sampling from a model does not.)
 """
 
 from __future__ import annotations

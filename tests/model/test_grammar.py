@@ -29,6 +29,7 @@ from model.grammar import (
     constraint_from_request,
     fill_bitmask,
 )
+from tests.schemas import BOUNDED_MAX_TOKENS, BOUNDED_SCHEMAS
 
 BUDGET = 30  # free tokens before the walk steers toward an end
 CAP = 1500  # a walk still going after this many tokens fails the test
@@ -202,6 +203,24 @@ def test_schema(tok, walker, i):
     text, finished = walker(constraint, seed=i)
     assert finished, f"walk did not finish: {text[-200:]!r}"
     jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("i", range(len(BOUNDED_SCHEMAS)))
+def test_bounded_schema_ends_unsteered(tok, i):
+    """The engine tests' schemas end within their token budget on uniform picks alone."""
+    constraint = compile_constraint("json", BOUNDED_SCHEMAS[i], tok)
+    gen = torch.Generator().manual_seed(i)
+    for _ in range(3):
+        c, out = constraint.fork(), []
+        while not c.is_finished():
+            assert len(out) < BOUNDED_MAX_TOKENS, tok.decode(out)
+            ids = np.flatnonzero(c.allowed_mask().numpy())
+            token = int(ids[torch.randint(len(ids), (1,), generator=gen)])
+            c.advance(token)
+            if token == tok.eot_token:
+                break
+            out.append(token)
+        jsonschema.validate(json.loads(tok.decode(out)), BOUNDED_SCHEMAS[i])
 
 
 def test_json_object(tok, walker):
