@@ -4,9 +4,9 @@
 every `nn.Linear` of the layers gets oneDNN's weight layout where this CPU and build have it
 (per-thread slabs otherwise), each feed-forward block becomes a `FusedMLP` whose first product
 applies GELU/ReLU itself, and the output head keeps both forms (slabs for one row, oneDNN for
-more; `model.cpu.onednn_linear.RowSwitch`). A tied embedding then reads its rows from the head's
-slabs, so the table is stored once. `python bench/cpu_parts.py` measures each part against what
-it replaces.
+more; `model.cpu.onednn_linear.RowSwitch`; in bfloat16 oneDNN's alone). A tied embedding then
+reads its rows from the head's slabs, so the table is stored once. Layers already quantized (`model.quantize`) are left as they
+are. `python bench/cpu_parts.py` measures each part against what it replaces.
 
 The model computes the same function afterwards, but its parameters are no longer trainable
 tensors: it cannot be trained, and `save_checkpoint` refuses it. `GPT` itself knows nothing of
@@ -60,12 +60,14 @@ def optimize_for_cpu(model: GPT, threads: int | None = None) -> GPT:
         return model
     model.eval().requires_grad_(False)
     threads = threads or torch.get_num_threads()
-    tied = model.lm_head.weight is model.transformer.wte.weight
-    model.lm_head, slabs = pack_head(model.lm_head, threads)
+    if isinstance(model.lm_head, nn.Linear):  # not when quantized (model.quantize)
+        tied = model.lm_head.weight is getattr(model.transformer.wte, "weight", None)
+        model.lm_head, slabs = pack_head(model.lm_head, threads)
+        if tied and slabs is not None:  # else the embedding keeps its table
+            model.transformer.wte = PackedEmbedding(slabs)
     for block in model.transformer.h:
-        if OneDnnLinear.supports(block.mlp.c_fc.weight.dtype):
+        c_fc = block.mlp.c_fc
+        if isinstance(c_fc, nn.Linear) and OneDnnLinear.supports(c_fc.weight.dtype):
             block.mlp = FusedMLP(block.mlp, threads)
     pack_linears(model, threads)
-    if tied:
-        model.transformer.wte = PackedEmbedding(slabs)
     return model

@@ -74,3 +74,18 @@ def test_a_model_on_another_device_or_already_optimized_is_returned_unchanged():
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
     meta = model.to("meta")
     assert optimize_for_cpu(meta) is meta and not is_optimized_for_cpu(meta)
+
+
+@pytest.mark.skipif(not OneDnnLinear.supports(torch.bfloat16), reason="no oneDNN bf16 here")
+def test_a_bfloat16_head_is_onednn_alone_and_a_tied_table_stays_an_embedding():
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101)
+    model = GPT(cfg).to(torch.bfloat16).eval()
+    table = model.transformer.wte
+    idx = torch.randint(0, 101, (1, 7))
+    with torch.no_grad():
+        before = model(idx).float()
+        optimize_for_cpu(model, threads=2)
+        after = model(idx).float()
+    assert isinstance(model.lm_head, OneDnnLinear) and model.transformer.wte is table
+    torch.testing.assert_close(after, before, rtol=2e-2, atol=2e-2)

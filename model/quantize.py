@@ -1,0 +1,173 @@
+"""Weight-only int8 quantization of a loaded model, applied from outside it (`quantize`).
+
+`quantize(model, "int8")` replaces each layer's four matrices and the output head by `Int8Linear`:
+int8 weights with one scale per output channel (symmetric, round to nearest), multiplied by
+PyTorch's int8 weight-pack product (`torch.ops.aten._weight_int8pack_mm`) on a CPU and on CUDA.
+Activations, LayerNorms, biases, positions and the KV cache stay in the model's dtype. A tied
+embedding reads its rows from the int8 head (dequantized), so the table is stored once: for
+GPT-2 124M the weights then take 127 MB instead of 498 MB in float32.
+
+What the product supports in PyTorch 2.13, and what follows here:
+- on x86 CPUs only bfloat16 inputs have a vectorized kernel (float32 and float16 run a scalar
+  loop, 10-50x slower), so on a CPU the products always run in bfloat16, whatever the model's
+  dtype; the scales are rounded to bfloat16 before quantizing, so that costs no accuracy;
+- that kernel reads 16 input channels at a time with aligned loads: inputs whose width is not a
+  multiple of 16 are zero-padded, and an input that does not start on a 64-byte boundary is
+  copied first (either one crashes the process otherwise);
+- it multiplies blocks of 4 rows, reading the weights again for each block, so it is bound by
+  arithmetic beyond a few rows: from `MANY_ROWS` rows on, the weights are dequantized for the
+  call and multiplied by the ordinary product instead (`python bench/cpu_parts.py` measures both).
+
+The model is for inference only afterwards (no gradients); `save_checkpoint` writes what it is
+given, so save the model as loaded, not a quantized one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.gpt import GPT
+
+QUANTIZATIONS = ("none", "int8")
+K_MULTIPLE = 16  # input channels the CPU kernel reads at a time
+ALIGN_BYTES = 64  # the CPU kernel's aligned loads need 32; PyTorch's allocator gives 64
+MANY_ROWS = 16  # from this many rows on, dequantize and use the ordinary product (CPU-measured)
+
+
+class QuantizeError(ValueError):
+    """A quantization that this model, device or dtype cannot run; the message is one line."""
+
+
+def check_quantization(method: str, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Raise QuantizeError if `method` cannot serve a model of `dtype` on `device`."""
+    if method not in QUANTIZATIONS:
+        raise QuantizeError(f"unknown quantization {method!r}; choose from {QUANTIZATIONS}")
+    if method == "none":
+        return
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        raise QuantizeError(f"--quantize int8 needs PyTorch 2.4 or later (this is {torch.__version__})")  # fmt: skip
+    if torch.device(device).type == "cpu" and dtype == torch.float16:
+        raise QuantizeError(
+            "--quantize int8 on a CPU runs with --dtype float32 or bfloat16 (its int8 products "
+            "run in bfloat16; float16 has no fast path here)"
+        )
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise QuantizeError(f"--quantize int8 runs on cpu or cuda, not {torch.device(device).type}")  # fmt: skip
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (out, in) int8 and (out,) float32 scales, weight ~ q * scale.
+
+    Symmetric per output channel, round to nearest, values in [-127, 127]. Each scale is a
+    bfloat16 value, so products that run in bfloat16 use exactly these scales.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1).clamp(min=1e-12)  # (out,)
+    scales = (amax / 127).to(torch.bfloat16).float()  # may round down: the clamp absorbs it
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
+    return q, scales
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(M, K) x (N, K) int8 weight, (N,) scales -> (M, N) in x's dtype (x, scales same dtype).
+
+    K is a multiple of `K_MULTIPLE` (the caller pads).
+    """
+    if x.shape[0] >= MANY_ROWS:
+        return F.linear(x, weight.to(x.dtype)) * scales  # (M, N)
+    if x.device.type == "cpu" and x.data_ptr() % ALIGN_BYTES:
+        x = x.clone()  # a fresh allocation is aligned
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)  # (M, N)
+
+
+class Int8Linear(nn.Module):
+    """The `nn.Linear` it is built from, with int8 weights and a scale per output channel.
+
+    `weight` is (out, in padded to K_MULTIPLE) int8 and `scales` (out,) in `op_dtype`, the dtype
+    the products run in (bfloat16 on a CPU, the model's dtype elsewhere); both are buffers.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()  # (out, in)
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype  # of inputs, outputs and bias
+        self.op_dtype = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
+        self.pad = -self.in_features % K_MULTIPLE
+        q, scales = quantize_rows(weight)
+        self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
+        self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out)."""
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).to(self.op_dtype)  # (M, in)
+        rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()  # (M, in + pad)
+        y = int8_matmul(rows, self.weight, self.scales).to(x.dtype)  # (M, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (...) of the dequantized (out, in) weight, as (..., in) in `dtype`."""
+        q = self.weight[index, : self.in_features].float()  # (..., in)
+        return (q * self.scales[index].float().unsqueeze(-1)).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int8Embedding(nn.Module):
+    """A tied embedding that reads its rows from the int8 head, so the table is stored once."""
+
+    def __init__(self, source: Int8Linear) -> None:
+        super().__init__()
+        self.source = source
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        """(...) token ids -> (..., C)."""
+        return self.source.rows(index)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+@torch.no_grad()
+def quantize(model: GPT, method: str) -> GPT:
+    """Quantize the layer matrices and head of a loaded model in place; returns the model.
+
+    "none" returns it unchanged; a model already quantized is returned unchanged. Quantize before
+    `model.cpu.optimize_for_cpu`, which leaves int8 layers as they are.
+    """
+    if method not in QUANTIZATIONS:
+        raise QuantizeError(f"unknown quantization {method!r}; choose from {QUANTIZATIONS}")
+    if method == "none" or is_quantized(model):
+        return model
+    if not isinstance(model.lm_head, nn.Linear):
+        raise QuantizeError("quantize the model before optimize_for_cpu, not after")
+    model.eval().requires_grad_(False)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    for block in model.transformer.h:
+        for owner in (block.attn, block.mlp):
+            owner.c_proj = Int8Linear(owner.c_proj)
+        block.attn.c_attn = Int8Linear(block.attn.c_attn)
+        block.mlp.c_fc = Int8Linear(block.mlp.c_fc)
+    model.lm_head = Int8Linear(model.lm_head)
+    if tied:
+        model.transformer.wte = Int8Embedding(model.lm_head)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights, each tensor counted once (parameters and buffers)."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta" and not t.is_mkldnn:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
