@@ -13,9 +13,12 @@ import torch
 from model import CheckpointError, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.cpu_memory import retain_freed_memory
+from model.quantize import QUANTIZATIONS, QuantizeError, check_quantization, quantize
 from model.sampling import SamplingError, SamplingParams
 from server import DEFAULT_MODEL_DIR
 from server.engine import Engine, EngineConfig, RequestError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=1, help="completions, printed one after another")
     p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--quantize", default="none", choices=QUANTIZATIONS,
+        help="int8: weight-only int8 for the layer matrices and the head (see python -m server)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -46,14 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop, n=args.n,
     )  # fmt: skip
     try:
+        dtype = DTYPES[args.dtype]
+        check_quantization(args.quantize, args.device, dtype)
         retain_freed_memory()
-        model = load_checkpoint(args.model, device=args.device, dtype=torch.float32)
-        model = optimize_for_cpu(model)
+        model = load_checkpoint(args.model, device=args.device, dtype=dtype)
+        model = optimize_for_cpu(quantize(model, args.quantize))
         tokenizer = get_tokenizer(model.config.tokenizer)
         engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
         prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
-    except (CheckpointError, SamplingError, RequestError, RuntimeError) as exc:
+    except (CheckpointError, QuantizeError, SamplingError, RequestError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     texts: dict[int, list[str]] = {i: [] for i in range(args.n)}

@@ -70,6 +70,11 @@ class Settings:
         "auto", "auto: float32 on CPU, bfloat16 on CUDA",
         choices=("auto", "float32", "float16", "bfloat16"),
     )  # fmt: skip
+    quantize: str = flag(
+        "none", "weight quantization at load: int8 = weight-only int8, a scale per output channel, "
+        "for the layer matrices and the head (on a CPU: with --dtype float32 or bfloat16)",
+        choices=("none", "int8"),
+    )  # fmt: skip
     log_level: str = flag(
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )

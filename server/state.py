@@ -17,6 +17,7 @@ import torch
 
 from model import GPT, Tokenizer, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
+from model.quantize import QuantizeError, check_quantization, quantize
 from server.async_engine import AsyncEngine
 from server.chat import ChatTemplate
 from server.engine import Engine, EngineConfig
@@ -55,8 +56,9 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 
 
 def preflight(settings: Settings) -> None:
-    """The checks that need no loading (directory, device): `python -m server` runs them before
-    it binds its port, so these mistakes exit at once. Raises ModelLoadError."""
+    """The checks that need no loading (directory, device, dtype with --quantize): `python -m
+    server` runs them before it binds its port, so these mistakes exit at once. Raises
+    ModelLoadError."""
     path = settings.model_path
     if not path.is_dir():
         if settings.model is None:
@@ -64,7 +66,11 @@ def preflight(settings: Settings) -> None:
                 f"no --model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
             )
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
-    resolve_device(settings.device, settings.dtype)
+    device, dtype = resolve_device(settings.device, settings.dtype)
+    try:
+        check_quantization(settings.quantize, device, dtype)
+    except QuantizeError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -73,11 +79,12 @@ def load_model(settings: Settings) -> LoadedModel:
     path = settings.model_path
     device, dtype = resolve_device(settings.device, settings.dtype)
     try:
-        model = optimize_for_cpu(load_checkpoint(path, device=device, dtype=dtype))
+        model = load_checkpoint(path, device=device, dtype=dtype)
+        model = optimize_for_cpu(quantize(model, settings.quantize))
         draft = None
         if settings.draft_model is not None:
             draft = load_checkpoint(settings.draft_model, device=device, dtype=dtype)
-            draft = optimize_for_cpu(draft)
+            draft = optimize_for_cpu(quantize(draft, settings.quantize))
         tokenizer = get_tokenizer(model.config.tokenizer)
         template = ChatTemplate.for_checkpoint(path)
     except (ValueError, RuntimeError, OSError) as exc:
