@@ -12,6 +12,12 @@
    those groups against head-major pools read in place (`kernels.paged_decode_cpu`).
 3. A decode step of the Engine with 32 sequences, in two fresh processes: glibc's default
    allocator against the tuned one (model.cpu_memory), which parts 1 and 2 run with.
+4. Reduced precision (`--dtype bfloat16`, `--quantize int8`): the layer matrices and the head
+   with 1, 8 and 32 rows, float32 as the Engine runs it against bfloat16 in the same layouts and
+   against int8 (`model.quantize.Int8Linear`, bfloat16 inputs); int8's kernel against the
+   dequantized product it switches to from `MANY_ROWS` rows on; and whole decode steps of the
+   Engine with 1 and 32 sequences in the three formats. The last column is the bandwidth the
+   "after" side reads the weights at.
 
 The two sides of a row run in alternation and each keeps its best, so the machine's slow spells
 (memory bandwidth here drifts by 20 %) fall on both.
@@ -19,16 +25,19 @@ The two sides of a row run in alternation and each keeps its best, so the machin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,9 +48,10 @@ from model.cpu import optimize_for_cpu  # noqa: E402
 from model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
 from model.cpu.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
 from model.cpu_memory import retain_freed_memory  # noqa: E402
+from model.quantize import Int8Linear, quantize  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
-Row = tuple[str, str, float, float]  # (part, what it replaced, before ms, after ms)
+Row = tuple  # (part, what it replaced, before ms, after ms[, bytes the after side reads])
 
 
 def alternate(before: Callable[[], object], after: Callable[[], object], rounds: int = 7):
@@ -164,17 +174,164 @@ def allocator_row() -> Row:
     return ("engine decode step, 32 seqs", "glibc default -> tuned", child(False), child(True))
 
 
+def int8_products(
+    layers: list[Int8Linear], xs: dict[int, torch.Tensor], dequantize: bool
+) -> list[torch.Tensor]:
+    """Each layer's product by one of int8's two ways, whatever the row count."""
+    if dequantize:
+        return [F.linear(xs[m.in_features], m.weight.to(xs[768].dtype)) * m.scales for m in layers]
+    return [
+        torch.ops.aten._weight_int8pack_mm(xs[m.in_features], m.weight, m.scales) for m in layers
+    ]
+
+
+def _bf16(linear: nn.Linear) -> nn.Linear:
+    return nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None).to(
+        torch.bfloat16
+    )
+
+
+@torch.no_grad()
+def precision_rows() -> list[Row]:
+    """fp32 as the Engine runs it -> bf16 and -> int8, per part; int8's two products."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    layers = [nn.Linear(i, o) for _ in range(12) for i, o in LAYER_SHAPES]
+    head = nn.Linear(768, 50257, bias=False)
+    layers16, head16 = [_bf16(m) for m in layers], _bf16(head)
+    forms = {
+        "48 layer matrices": (
+            layers,
+            [pack_linear(m, threads) for m in layers],
+            [pack_linear(m, threads) for m in layers16],
+            [Int8Linear(m) for m in layers16],
+        ),
+        "vocabulary head": (
+            [head],
+            [pack_head(head, threads)[0]],
+            [pack_head(head16, threads)[0]],
+            [Int8Linear(head16)],
+        ),
+    }
+    rows = []
+    for name, (plain, fp32, bf16, int8) in forms.items():
+        n_weights = sum(m.weight.numel() for m in plain)
+        for n in (1, 8, 32):
+            xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
+            hs = {k: v.to(torch.bfloat16) for k, v in xs.items()}
+            before = apply_all(fp32, plain, xs)
+            label = f"{name}, {n} rows"
+            rows.append((label, "fp32 -> bf16", *alternate(before, apply_all(bf16, plain, hs)),
+                         2 * n_weights))  # fmt: skip
+            rows.append((label, "fp32 -> int8", *alternate(before, apply_all(int8, plain, hs)),
+                         n_weights))  # fmt: skip
+            if name == "vocabulary head" and n == 1:  # why the bf16 head keeps its slabs
+                onednn = apply_all([OneDnnLinear(head16)], plain, hs)
+                now = apply_all(bf16, plain, hs)
+                rows.append((label, "bf16 oneDNN only -> engine's", *alternate(onednn, now),
+                             2 * n_weights))  # fmt: skip
+            if name == "48 layer matrices" and n > 1:  # where int8 switches products
+                kernel = partial(int8_products, int8, hs, dequantize=False)
+                dequant = partial(int8_products, int8, hs, dequantize=True)
+                rows.append((label, "int8 kernel -> dequantized", *alternate(kernel, dequant),
+                             n_weights))  # fmt: skip
+    return rows
+
+
+@torch.no_grad()
+def read_rows() -> list[Row]:
+    """How far each format's single-row products are from reading their bytes (a float32 sum of
+    as many bytes: the memory's read rate), all matrices of GPT-2 124M, on 1 thread and on all."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(i, o).to(torch.bfloat16) for _ in range(12) for i, o in LAYER_SHAPES]
+    layers.append(nn.Linear(768, 50257, bias=False).to(torch.bfloat16))
+    n_weights = sum(m.weight.numel() for m in layers)
+    int8 = [Int8Linear(m) for m in layers]
+    bf16 = [OneDnnLinear(m) for m in layers]
+    hs = {768: torch.randn(1, 768, dtype=torch.bfloat16), 3072: torch.randn(1, 3072, dtype=torch.bfloat16)}  # fmt: skip
+    rows = []
+    threads = torch.get_num_threads()
+    for n_threads in sorted({1, threads}):
+        torch.set_num_threads(n_threads)
+        for label, forms, size in (("int8", int8, n_weights), ("bf16 oneDNN", bf16, 2 * n_weights)):
+            plain = torch.randn(size // 4)  # float32, `size` bytes
+            rows.append((f"all 49 matrices, 1 row, {n_threads} thread(s)",
+                         f"reading them -> {label}", *alternate(plain.sum, apply_all(forms, layers, hs)),
+                         size))  # fmt: skip
+    torch.set_num_threads(threads)
+    return rows
+
+
+def step_rows() -> list[Row]:
+    """Median decode step of the Engine with 1 and 32 sequences: fp32 -> bf16, fp32 -> int8."""
+    import server.engine as engine_module
+    from model import GPT, ModelConfig, get_tokenizer
+    from model.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    state = GPT(ModelConfig()).state_dict()
+
+    def engine(dtype: torch.dtype, method: str, seqs: int):
+        model = GPT(ModelConfig())
+        model.load_state_dict(state)
+        model = optimize_for_cpu(quantize(model.to(dtype).eval(), method))
+        eng = engine_module.Engine(
+            model, get_tokenizer(), engine_module.EngineConfig(max_num_seqs=32, num_blocks=448)
+        )
+        gen = torch.Generator().manual_seed(0)
+        params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+        for i in range(seqs):
+            prompt = torch.randint(0, 50257, (64,), generator=gen).tolist()
+            eng.add_request(str(i), prompt, params)
+        for _ in range(5):
+            eng.step()
+        return eng
+
+    rows = []
+    for seqs, steps in ((1, 31), (32, 9)):
+        fp32 = engine(torch.float32, "none", seqs)
+        for change, other in (("fp32 -> bf16", engine(torch.bfloat16, "none", seqs)),
+                              ("fp32 -> int8", engine(torch.float32, "int8", seqs))):  # fmt: skip
+            times: tuple[list[float], list[float]] = ([], [])
+            for _ in range(steps):
+                for eng, out in zip((fp32, other), times):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    out.append(1000 * (time.perf_counter() - t0))
+            rows.append((f"engine decode step, {seqs} seqs", change,
+                         statistics.median(times[0]), statistics.median(times[1])))  # fmt: skip
+    return rows
+
+
+PARTS = {
+    "linear": linear_rows,
+    "attention": lambda: attention_rows(1) + attention_rows(32),
+    "allocator": lambda: [allocator_row()],
+    "precision": lambda: precision_rows() + read_rows(),
+    "steps": step_rows,
+}
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}")
+    parts = parser.parse_args().parts.split(",")
+    if any(part not in PARTS for part in parts):
+        parser.error(f"--parts takes {', '.join(PARTS)}")
     retain_freed_memory()  # as the CLIs do (the allocator row compares both in subprocesses)
-    rows = linear_rows() + attention_rows(1) + attention_rows(32) + [allocator_row()]
+    rows = [row for part in parts for row in PARTS[part]()]
     print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}; best of 7 rounds, "
-          "the two sides in turn (the engine step: median of 15, one process each)\n")  # fmt: skip
-    print(f"{'':40s} {'what it replaced':24s} {'before ms':>10s} {'after ms':>9s} {'speed-up':>9s}")
-    for name, change, before, after in rows:
-        print(f"{name:40s} {change:24s} {before:10.1f} {after:9.1f} {before / after:8.2f}x")
+          "the two sides in turn (the engine steps: median, one process each for the "
+          "allocator, alternating steps for reduced precision)\n")  # fmt: skip
+    print(f"{'':40s} {'what it replaced':28s} {'before ms':>10s} {'after ms':>9s} "
+          f"{'speed-up':>9s} {'after GB/s':>10s}")  # fmt: skip
+    for name, change, before, after, *size in rows:
+        rate = f"{size[0] / after / 1e6:10.1f}" if size else ""
+        print(f"{name:40s} {change:28s} {before:10.1f} {after:9.1f} {before / after:8.2f}x {rate}")
     print(
         "\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
-        "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu"
+        "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu; "
+        "fp32/bf16: the Engine's layouts; int8: model.quantize.Int8Linear"
     )
 
 

@@ -1,28 +1,65 @@
-"""Decode speed: our engine against Hugging Face transformers' generate() on the same weights.
+"""Decode speed: our engine, in each weight format, against Hugging Face transformers' generate().
 
-    python bench/decode.py                 # random GPT-2 124M, fp32, CPU
-    python bench/decode.py --device cuda   # on a GPU (fp32 unless --dtype)
+    python bench/decode.py                                  # fp32, bf16 and int8 rows, CPU
+    python bench/decode.py --rows fp32,int8                 # some of the rows
+    python bench/decode.py --quantize int8 --dtype float32  # one row, as the server flags say
+    python bench/decode.py --device cuda                    # on a GPU
 
-Both sides get a 64-token prompt and produce 128 new tokens greedily; the table gives tokens/s,
-the ratio, the achieved weight bandwidth (weight bytes x tokens/s), aggregate tokens/s at 1, 8 and
-32 concurrent sequences, and where a decode step's time goes.
+Random GPT-2 124M weights. Every side gets a 64-token prompt and produces 128 new tokens
+greedily; transformers runs in float32 (the baseline). The table gives tokens/s at 1 and more
+concurrent sequences, the ratio to transformers and to our float32 row, the bytes of the weights
+as served and the bandwidth a single stream reads them at (weight bytes x tokens/s), and where a
+single-stream request's time goes. The single-stream figures are the best of --rounds rounds that
+run every side in turn, so a slow spell on a shared machine falls on all of them.
+
+A row is an entry of ROWS: a label, the weights' dtype and quantization, and EngineConfig
+fields (a speculative row sets `speculative`, and `draft` builds its draft model).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-import server.engine as engine_module
-from model import get_tokenizer, load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.cpu_memory import retain_freed_memory
-from model.sampling import SamplingParams
-from server.engine import Engine, EngineConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import server.engine as engine_module  # noqa: E402
+from model import GPT, get_tokenizer, load_checkpoint  # noqa: E402
+from model.cpu import optimize_for_cpu  # noqa: E402
+from model.cpu_memory import retain_freed_memory  # noqa: E402
+from model.quantize import QUANTIZATIONS, check_quantization, quantize, weight_bytes  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from server.engine import Engine, EngineConfig  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Row:
+    """One way of serving the same weights: a line of the table per concurrency."""
+
+    label: str
+    dtype: str = "float32"
+    quantize: str = "none"
+    config: dict = field(default_factory=dict)  # EngineConfig fields
+    draft: Callable[[str, str], GPT] | None = None  # (checkpoint dir, device) -> draft model
+
+
+ROWS = {
+    "fp32": Row("fp32"),
+    "bf16": Row("bf16", dtype="bfloat16"),
+    "int8": Row("int8", quantize="int8"),  # float32 activations, as `--quantize int8` alone
+    "int8-bf16": Row("int8, bf16 act.", dtype="bfloat16", quantize="int8"),
+}
+DEFAULT_ROWS = "fp32,bf16,int8,int8-bf16"
 
 
 def sync(device: str) -> None:
@@ -42,7 +79,6 @@ def time_hf(hf, prompt: torch.Tensor, new: int, device: str) -> tuple[float, lis
     mask = torch.ones_like(prompt)
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
-        hf.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
         sync(device)
         t0 = time.perf_counter()
         out = hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)
@@ -109,13 +145,46 @@ def step_breakdown(engine: Engine, prompt: list[int], new: int, device: str) -> 
                 setattr(owner, name, original)
     parts = dict(timer.totals)
     parts["engine overhead (rest)"] = total - sum(parts.values())
-    return {k: v / total for k, v in parts.items()} | {"_total": total}
+    return {k: v / total for k, v in parts.items()}
+
+
+@dataclass
+class Served:
+    """A row's engine and what is measured of it."""
+
+    row: Row
+    engine: Engine
+    weight_bytes: int
+    single_s: float = float("inf")
+    tokens: list[int] = field(default_factory=list)  # its single-stream greedy tokens
+    rates: dict[int, float] = field(default_factory=dict)  # concurrency -> tokens/s
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def serve(row: Row, checkpoint: str, device: str, num_blocks: int) -> Served:
+    """Load the checkpoint as `python -m server` would with the row's flags; build its engine."""
+    dtype = DTYPES[row.dtype]
+    check_quantization(row.quantize, device, dtype)
+    model = quantize(load_checkpoint(checkpoint, device=device, dtype=dtype), row.quantize)
+    size = weight_bytes(model)  # as served, each matrix once (the CPU head layouts keep two)
+    model = optimize_for_cpu(model)
+    draft = None
+    if row.draft is not None:
+        draft = optimize_for_cpu(quantize(row.draft(checkpoint, device), row.quantize))
+    config = EngineConfig(max_num_seqs=32, block_size=16, num_blocks=num_blocks, **row.config)
+    return Served(row, Engine(model, get_tokenizer(), config, draft_model=draft), size)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--rows", default=DEFAULT_ROWS, help=f"rows to run, of {', '.join(ROWS)}")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="one row: this dtype (--rows ignored)")
+    p.add_argument("--quantize", choices=QUANTIZATIONS, help="one row: this quantization")
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
@@ -123,67 +192,90 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--rounds", type=int, default=3, help="single-stream runs per side (best kept)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
-    dtype = getattr(torch, args.dtype)
-    dev = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev, new = args.device, args.new_tokens
+    if args.dtype or args.quantize:
+        dtype, method = args.dtype or "float32", args.quantize or "none"
+        label = dtype if method == "none" else f"{method}, {dtype} act."
+        rows = [Row(label, dtype=dtype, quantize=method)]
+    else:
+        unknown = [r for r in args.rows.split(",") if r not in ROWS]
+        if unknown:
+            p.error(f"unknown rows {', '.join(unknown)}; choose from {', '.join(ROWS)}")
+        rows = [ROWS[r] for r in args.rows.split(",")]
+    try:
+        for row in rows:
+            check_quantization(row.quantize, dev, DTYPES[row.dtype])
+    except ValueError as exc:
+        p.exit(2, f"error: {exc}\n")
 
+    retain_freed_memory()
     hf = hf_model(args)
+    blocks_per_seq = -(-(args.prompt_len + new + 16) // 16)  # room for speculative guesses
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        ours = load_checkpoint(tmp, device=dev, dtype=dtype)
-    hf = hf.to(device=dev, dtype=dtype)
-    tok = get_tokenizer()
+        n_params = load_checkpoint(tmp).num_params()
+        served = [serve(row, tmp, dev, 32 * blocks_per_seq) for row in rows]
+    hf = hf.to(device=dev)
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, 50257, (args.prompt_len,), generator=gen).tolist() for _ in range(32)
     ]
-    new = args.new_tokens
-
-    weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
-    n_params = ours.num_params()  # before the CPU layouts (which keep the head twice)
-    retain_freed_memory()
-    ours = optimize_for_cpu(ours)
     hf_prompt = torch.tensor([prompts[0]], device=dev)
-    hf_s, hf_tokens = time_hf(hf, hf_prompt, new, dev)
-    cfg = EngineConfig(max_num_seqs=32, block_size=16)
-    engine = Engine(ours, tok, cfg)
-    run_engine(engine, [prompts[0]], 4, dev)  # warm-up
-    # single stream: alternate the two sides and keep each one's best, so a slow spell on a
-    # shared machine does not land on one side only
-    single_s, out = run_engine(engine, prompts[:1], new, dev)
-    same = out["0"] == hf_tokens
-    for _ in range(args.rounds - 1):
-        hf_s = min(hf_s, time_hf(hf, hf_prompt, new, dev)[0])
-        single_s = min(single_s, run_engine(engine, prompts[:1], new, dev)[0])
-    single_rate = new / single_s
-    rows = []
-    for c in [int(x) for x in args.concurrency.split(",")]:
-        if c == 1:
-            rows.append((1, single_s, single_rate))
-            continue
-        secs, out = run_engine(engine, prompts[:c], new, dev)
-        rows.append((c, secs, c * new / secs))
-    breakdown = step_breakdown(engine, prompts[0], new, dev)
+    with torch.no_grad():  # warm-up
+        hf.generate(hf_prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                    pad_token_id=0, attention_mask=torch.ones_like(hf_prompt))  # fmt: skip
+    for s in served:
+        run_engine(s.engine, [prompts[0]], 4, dev)
+
+    # single stream: every side in turn, each keeps its best
+    hf_s, hf_tokens = float("inf"), []
+    for _ in range(args.rounds):
+        secs, hf_tokens = time_hf(hf, hf_prompt, new, dev)
+        hf_s = min(hf_s, secs)
+        for s in served:
+            secs, out = run_engine(s.engine, prompts[:1], new, dev)
+            s.single_s, s.tokens = min(s.single_s, secs), out["0"]
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    for s in served:
+        s.rates[1] = new / s.single_s
+        for c in concurrency:
+            if c > 1:
+                s.rates[c] = c * new / run_engine(s.engine, prompts[:c], new, dev)[0]
+        s.breakdown = step_breakdown(s.engine, prompts[0], new, dev)
 
     hf_rate = new / hf_s
+    hf_bytes = 4 * n_params
+    base = next((s for s in served if s.row.dtype == "float32" and s.row.quantize == "none"), None)
     print(
-        f"\ndecode: GPT-2 {n_params / 1e6:.0f}M random weights, {args.dtype}, {dev}, "
-        f"{torch.get_num_threads()} threads, prompt {args.prompt_len}, {new} new tokens, greedy"
+        f"\ndecode: GPT-2 {n_params / 1e6:.0f}M random weights, {dev}, "
+        f"{torch.get_num_threads()} threads, prompt {args.prompt_len}, {new} new tokens, greedy; "
+        f"best of {args.rounds} alternating rounds for one stream"
     )
-    print(f"greedy tokens identical to transformers: {'yes' if same else 'NO'}")
-    print(f"{'':28}{'tok/s':>10}{'vs HF':>8}{'weights GB/s':>14}")
-    print(
-        f"{'transformers generate()':28}{hf_rate:10.1f}{1.0:8.2f}{weight_bytes * hf_rate / 1e9:14.1f}"
-    )
-    for c, _secs, rate in rows:
-        label = f"gptserve engine x{c}"
-        bw = f"{weight_bytes * single_rate / 1e9:14.1f}" if c == 1 else f"{'':14}"
-        extra = "" if c == 1 else f"  ({rate / single_rate:.1f}x single stream)"
-        print(f"{label:28}{rate:10.1f}{rate / hf_rate:8.2f}{bw}{extra}")
+    print(f"{'':30}{'tok/s':>8}{'vs HF':>8}{'vs fp32':>9}{'weights MB':>12}{'GB/s':>7}")
+    print(f"{'transformers generate() fp32':30}{hf_rate:8.1f}{1.0:8.2f}{'':9}"
+          f"{hf_bytes / 1e6:12.0f}{hf_bytes * hf_rate / 1e9:7.1f}")  # fmt: skip
+    for s in served:
+        for c in concurrency:
+            rate = s.rates[c]
+            vs_fp32 = f"{rate / base.rates[c]:9.2f}" if base else f"{'':9}"
+            if c == 1:
+                size = f"{s.weight_bytes / 1e6:12.0f}{s.weight_bytes * rate / 1e9:7.1f}"
+            else:
+                size = f"{'':19}  ({rate / s.rates[1]:.1f}x its single stream)"
+            print(f"{'gptserve ' + s.row.label + f' x{c}':30}{rate:8.1f}{rate / hf_rate:8.2f}"
+                  f"{vs_fp32}{size}")  # fmt: skip
+    print(f"\ngreedy tokens equal to transformers' (of {new}), single stream:")
+    for s in served:
+        print(f"  {s.row.label:28}{common_prefix(s.tokens, hf_tokens):6d}")
     print("\nwhere a single-stream request's time goes (prefill + decode steps):")
-    for k, v in breakdown.items():
-        if not k.startswith("_"):
-            print(f"  {k:28}{100 * v:6.1f} %")
+    parts = list(served[0].breakdown)
+    print(f"  {'':28}" + "".join(f"{s.row.label[:16]:>18}" for s in served))
+    for k in parts:
+        print(f"  {k:28}" + "".join(f"{100 * s.breakdown.get(k, 0):16.1f} %" for s in served))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ GPT-2 124M the weights then take 127 MB instead of 498 MB in float32.
 
 What the product supports in PyTorch 2.13, and what follows here:
 - on x86 CPUs only bfloat16 inputs have a vectorized kernel (float32 and float16 run a scalar
-  loop, 10-50x slower), so on a CPU the products always run in bfloat16, whatever the model's
-  dtype; the scales are rounded to bfloat16 before quantizing, so that costs no accuracy;
+  loop, 5-16x slower), so on a CPU the products always take bfloat16 inputs, whatever the
+  model's dtype; the scales are rounded to bfloat16 before quantizing, so they lose nothing;
 - that kernel reads 16 input channels at a time with aligned loads: inputs whose width is not a
   multiple of 16 are zero-padded, and an input that does not start on a 64-byte boundary is
   copied first (either one crashes the process otherwise);
@@ -108,10 +108,10 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).to(self.op_dtype)  # (M, in)
         rows = F.pad(rows, (0, self.pad)) if self.pad else rows.contiguous()  # (M, in + pad)
-        y = int8_matmul(rows, self.weight, self.scales).to(x.dtype)  # (M, out)
+        y = int8_matmul(rows, self.weight, self.scales)  # (M, out) in op_dtype
         if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+            y = self.bias + y  # in the bias's dtype: the add is the cast back
+        return y.to(x.dtype).view(*lead, self.out_features)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (...) of the dequantized (out, in) weight, as (..., in) in `dtype`."""
