@@ -4,7 +4,8 @@ every rank so that a TrainError on any rank stops all of them with one message (
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -14,6 +15,18 @@ import torch.distributed as dist
 from training.errors import TrainError
 
 T = TypeVar("T")
+
+SHARED_STORE_WARNING = (
+    "torchrun shares its rendezvous store with the workers, so after a restart a rank can read "
+    "the previous round's addresses and fail to connect (pytorch/pytorch#135712); start torchrun "
+    "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when it may restart workers (--max-restarts)"
+)
+
+
+def shared_store_breaks_restarts(env: Mapping[str, str]) -> bool:
+    """Whether torchrun may restart these workers while they share its rendezvous store."""
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,8 @@ def join_process_group() -> Dist:
         int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     )
     if info.world > 1 and not dist.is_initialized():
+        if info.rank == 0 and shared_store_breaks_restarts(os.environ):
+            print(f"warning: {SHARED_STORE_WARNING}", file=sys.stderr)
         # gloo carries CPU tensors (and the small objects below), NCCL the CUDA ones.
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return info

@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from training.distributed import SHARED_STORE_WARNING, shared_store_breaks_restarts
 from training.state import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +75,8 @@ def start_nodes(
         "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": "lo",
         "PYTHONFAULTHANDLER": "1",
+        # a restarted round must not read the last round's gloo addresses (TRAINING.md)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
     procs = []
     for n, args in enumerate(node_args):
@@ -174,6 +177,7 @@ def test_killed_worker_is_restarted_and_the_run_resumes(
         codes = wait_all(agents)
     log = logs_text(tmp_path)
     assert codes == [0, 0], log[-3000:]
+    assert SHARED_STORE_WARNING not in log  # the store is not shared (start_nodes)
     assert log.count("model: ") == 2, log[-3000:]  # rank 0 started twice: once, and after the kill
     assert killed_at < MAX_STEPS
     a, b = read_metrics(reference), read_metrics(out)
@@ -184,6 +188,14 @@ def test_killed_worker_is_restarted_and_the_run_resumes(
     sa = load_file(str(reference / "model.safetensors"))
     sb = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_shared_store_under_restarts_is_warned_about() -> None:
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert shared_store_breaks_restarts(shared)
+    assert not shared_store_breaks_restarts({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    assert not shared_store_breaks_restarts({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert not shared_store_breaks_restarts({})  # not under torchrun
 
 
 def error_lines(text: str) -> list[str]:
