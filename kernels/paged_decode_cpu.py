@@ -9,8 +9,13 @@ not depend on where its blocks lie or on what else is in the batch.
 
 The allocator hands out the lowest free blocks (`model.cache.BlockAllocator`), so the blocks of a
 batch usually form one run at the front of the pool, which is read in place, holes included
-(masked). When the run is over twice the blocks in use, or sequences share blocks (a cached
-prompt prefix), those blocks are gathered instead.
+(masked). When the run is over twice the blocks in use, those blocks are gathered instead.
+
+Sequences may share blocks (a cached prompt prefix, n > 1 completions). The first pass reads each
+distinct block once, scored by its first holder; the blocks with more holders are then read once
+more, as a run of their own where they lie (or gathered), against all their further holders'
+queries at once (one (Mb, D) x (D, bs) product per block and head). A shared block is read twice
+however many sequences hold it, never copied per holder.
 
 Slots past a sequence's length in its last block may hold anything, even NaN. Their scores are
 masked; their values are set to zero in the pool, since 0 * NaN is NaN. Nothing lives there: the
@@ -27,15 +32,53 @@ from kernels.metadata import AttentionMetadata
 
 
 @dataclass
+class _Shared:
+    """The further holders of blocks that several sequences of the batch share (a cached prefix).
+
+    Each shared block is read once more with `width` query slots, one per holder after its first,
+    so its keys and values are never copied per holder.
+    """
+
+    run: tuple[int, int] | None  # shared pool blocks [first, last) read in place, or None
+    blocks: torch.Tensor | None  # (Rb,) the shared blocks to gather when there is no run
+    width: int  # Mb: query slots per shared block (the most holders of one block, less one)
+
+
+@dataclass
 class _Plan:
+    """Rows: one per pool block of the first run (each with its first holder), then Rb * Mb
+    slots for the further holders of shared blocks (`shared`); a row is scored by one sequence."""
+
     run: tuple[int, int] | None  # pool blocks [first, last) read in place, or None
-    blocks: torch.Tensor | None  # (R,) pool blocks to gather when there is no run
+    blocks: torch.Tensor | None  # (R0,) pool blocks to gather when there is no run
+    shared: _Shared | None  # further holders of shared blocks, if any
+    n_first: int  # R0: rows of the first pass
     row_seq: torch.Tensor  # (R,) the sequence each row (block) belongs to (0 for a hole)
     row_place: torch.Tensor  # (R,) sequence * nb + the row's place in its block table
     masked: torch.Tensor  # (R, 1, bs) True where a row's slot is not a key of its sequence
     seq_rows: torch.Tensor  # (B, nb) each sequence's rows in table order; R pads
     padded: bool  # whether seq_rows holds pads (sequences of different block counts)
     stale: torch.Tensor | None  # (S,) rows of the (NB * H * bs, D) value tiles past sequences' ends
+
+
+def _rows_for(blocks: torch.Tensor, n_unique: int) -> tuple[tuple[int, int] | None, torch.Tensor]:
+    """Read `blocks` (sorted, unique) in place as one run when it is at most twice their number,
+    else gather them: (the run or None, each block's row in what is read)."""
+    first, last = int(blocks[0]), int(blocks[-1]) + 1
+    if last - first <= 2 * n_unique:
+        return (first, last), blocks - first
+    return None, torch.arange(n_unique, device=blocks.device)
+
+
+def _holder_rank(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(U,) blocks of all uses -> each use's rank among the uses of its block (0 for the first in
+    batch order), the distinct blocks (sorted) and how many uses each has."""
+    order = torch.argsort(blocks, stable=True)
+    distinct, counts = torch.unique_consecutive(blocks[order], return_counts=True)
+    group_start = (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+    rank = torch.empty_like(blocks)
+    rank[order] = torch.arange(blocks.numel(), device=blocks.device) - group_start
+    return rank, distinct, counts
 
 
 def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
@@ -52,19 +95,26 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
     index = j[None, :].expand(batch, -1)[used]  # (U,)
     first_key = (j * bs)[None, :].expand(batch, -1)[used]  # (U,) position of a block's slot 0
 
-    first, last = int(blocks.min()), int(blocks.max()) + 1
-    n_used = blocks.numel()
-    # a row is one pool block of one sequence: blocks that sequences share (a cached prefix) need
-    # a row per sequence, so such a batch gathers
-    shared = torch.unique(blocks).numel() < n_used
-    if last - first <= 2 * n_used and not shared:  # read the run in place; holes masked
-        n_rows = last - first
-        row = blocks - first  # (U,) the row of each used block
-        run, gather = (first, last), None
-    else:
-        n_rows = n_used
-        row = torch.arange(n_used, device=device)
-        run, gather = None, blocks
+    # first pass: every distinct block once, scored by its first holder; the run is read in place
+    # (holes masked) unless it is over twice the blocks in use, then the blocks are gathered
+    rank, distinct, counts = _holder_rank(blocks)
+    run, block_row = _rows_for(distinct, distinct.numel())
+    n_first = block_row.numel() if run is None else run[1] - run[0]
+    row_of_distinct = torch.searchsorted(distinct, blocks)  # (U,)
+    row = block_row[row_of_distinct]  # (U,) first-pass row of each use's block
+    shared = None
+    n_rows = n_first
+    if int(counts.max()) > 1:  # further holders: Mb slots per shared block, after the first pass
+        shared_blocks = distinct[counts > 1]  # (Rs,) sorted
+        slots = int(counts.max()) - 1
+        shared_run, shared_row = _rows_for(shared_blocks, shared_blocks.numel())
+        n_shared = shared_row.numel() if shared_run is None else shared_run[1] - shared_run[0]
+        later = rank > 0
+        place = torch.searchsorted(shared_blocks, blocks[later])
+        row = row.clone()
+        row[later] = n_first + shared_row[place] * slots + rank[later] - 1
+        shared = _Shared(shared_run, None if shared_run else shared_blocks, slots)
+        n_rows = n_first + n_shared * slots
     row_seq = torch.zeros(n_rows, dtype=torch.long, device=device).index_copy_(0, row, seq)
     row_place = torch.zeros(n_rows, dtype=torch.long, device=device)
     row_place.index_copy_(0, row, seq * width + index)  # holes: 0, never read back
@@ -84,7 +134,9 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
     stale = (stale + offsets.expand(batch, -1)[stale_at][:, None]).reshape(-1)
     return _Plan(
         run=run,
-        blocks=gather,
+        blocks=None if run else distinct,
+        shared=shared,
+        n_first=n_first,
         row_seq=row_seq,
         row_place=row_place,
         masked=masked[:, None, :],
@@ -115,27 +167,57 @@ def decode_attention_cpu(
     plan = meta.plan("cpu_decode", lambda: _make_plan(meta, bs, n_head))
     if plan.stale is not None:
         v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
-    if plan.run is not None:
-        keys, values = (t[plan.run[0] : plan.run[1]] for t in (k_tiles, v_tiles))
-    else:
-        keys, values = k_tiles[plan.blocks], v_tiles[plan.blocks]  # (R, H, bs, D)
-    n_rows = keys.shape[0]
+    keys, values = _read(k_tiles, v_tiles, plan.run, plan.blocks)  # (R0, H, bs, D)
     batch, width = plan.seq_rows.shape
     scale = sm_scale if sm_scale is not None else head_dim**-0.5
-    q_rows = (q * scale).index_select(0, plan.row_seq).view(n_rows * n_head, 1, head_dim)
-    scores = torch.bmm(q_rows, keys.reshape(n_rows * n_head, bs, head_dim).transpose(1, 2))
-    scores = scores.view(n_rows, n_head, bs).masked_fill_(plan.masked, float("-inf"))
+    q_rows = (q * scale).index_select(0, plan.row_seq)  # (R, H, D)
+    n0 = plan.n_first
+    scores = torch.bmm(
+        q_rows[:n0].view(n0 * n_head, 1, head_dim),
+        keys.reshape(n0 * n_head, bs, head_dim).transpose(1, 2),
+    ).view(n0, n_head, bs)
+    if plan.shared is not None:
+        sh_keys, sh_values = _read(k_tiles, v_tiles, plan.shared.run, plan.shared.blocks)
+        sh_q = _slots_by_block(q_rows[n0:], plan.shared.width)  # (Rb * H, Mb, D)
+        sh_scores = torch.bmm(sh_q, sh_keys.reshape(-1, bs, head_dim).transpose(1, 2))
+        scores = torch.cat([scores, _rows_by_slot(sh_scores, n_head)])  # (R, H, bs)
+    scores = scores.masked_fill_(plan.masked, float("-inf"))
     # one softmax per sequence and head over all its keys, laid out in table order
     by_seq = _by_sequence(scores, plan, float("-inf"))  # (B, nb, H, bs)
     flat = by_seq.transpose(1, 2).reshape(batch, n_head, width * bs)
     probs = torch.softmax(flat.float(), dim=-1).view(batch, n_head, width, bs)
     row_probs = probs.transpose(1, 2).reshape(batch * width, n_head, bs)
-    row_probs = row_probs.index_select(0, plan.row_place)  # (R, H, bs)
+    row_probs = row_probs.index_select(0, plan.row_place).to(values.dtype)  # (R, H, bs)
     out = torch.bmm(
-        row_probs.to(values.dtype).view(n_rows * n_head, 1, bs),
-        values.reshape(n_rows * n_head, bs, head_dim),
-    ).view(n_rows, n_head, head_dim)  # (R, H, D): each block's share of its sequence's output
+        row_probs[:n0].view(n0 * n_head, 1, bs), values.reshape(n0 * n_head, bs, head_dim)
+    ).view(n0, n_head, head_dim)  # (R0, H, D): each block's share of its sequence's output
+    if plan.shared is not None:
+        sh_probs = _slots_by_block(row_probs[n0:], plan.shared.width)  # (Rb * H, Mb, bs)
+        sh_out = torch.bmm(sh_probs, sh_values.reshape(-1, bs, head_dim))  # (Rb * H, Mb, D)
+        out = torch.cat([out, _rows_by_slot(sh_out, n_head)])  # (R, H, D)
     return _by_sequence(out, plan, 0.0).sum(1).to(q.dtype)  # (B, H, D), summed in table order
+
+
+def _read(
+    k_tiles: torch.Tensor, v_tiles: torch.Tensor, run: tuple[int, int] | None,
+    blocks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(n, H, bs, D) key and value tiles: the run where it lies, else the blocks gathered."""
+    if run is not None:
+        return k_tiles[run[0] : run[1]], v_tiles[run[0] : run[1]]
+    return k_tiles[blocks], v_tiles[blocks]
+
+
+def _slots_by_block(rows: torch.Tensor, slots: int) -> torch.Tensor:
+    """(Rb * Mb, H, X) rows, slot after slot within each block -> (Rb * H, Mb, X) for bmm."""
+    n_head, x = rows.shape[1:]
+    return rows.view(-1, slots, n_head, x).transpose(1, 2).reshape(-1, slots, x)
+
+
+def _rows_by_slot(out: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(Rb * H, Mb, X) -> (Rb * Mb, H, X): the inverse of `_slots_by_block`."""
+    slots, x = out.shape[1:]
+    return out.view(-1, n_head, slots, x).transpose(1, 2).reshape(-1, n_head, x)
 
 
 def _by_sequence(rows: torch.Tensor, plan: _Plan, pad: float) -> torch.Tensor:

@@ -92,4 +92,12 @@ def _fill(template: str, values: dict[str, str]) -> str:
     for key in ("role", "Role"):
         out = out.replace("{" + key + "}", values[key])
     head, sep, tail = out.partition("{content}")
-    return head + values["content"] + tail.replace("{content}", values["content"]) if sep else out
+    if not sep:
+        return out
+    content = values["content"]
+    # An answer generated after "Assistant:" begins with its own space (" Hello"): sent back, it
+    # renders as "Assistant: Hello", the very text the model saw, so a follow-up turn's prompt
+    # starts with the tokens generated for it and reuses their cached KV blocks.
+    if head.endswith(" ") and content.startswith((" ", "\t", "\n")):
+        head = head[:-1]
+    return head + content + tail.replace("{content}", content)

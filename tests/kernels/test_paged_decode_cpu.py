@@ -103,14 +103,52 @@ def test_the_dispatch_reads_leading_decodes_in_place_and_gathers_the_rest(
     assert ("sdpa_gather" in plans) == (in_place < 3 or not head_major)
 
 
-def test_sequences_sharing_blocks_gather_and_match_the_reference():
-    # three sequences over one cached prefix (blocks 2 and 0), each with a last block of its own
-    k = torch.randn(8, 2, 4, 8).transpose(1, 2)  # head-major pools (blocks, page 4, H 2, D 8)
-    v = torch.randn(8, 2, 4, 8).transpose(1, 2)
-    tables = [[2, 0, 5], [2, 0, 1], [2, 3]]
-    meta = AttentionMetadata.build(tables, [11, 10, 6], [1, 1, 1], block_size=4)
-    q = torch.randn(3, 2, 8)
+def _shared_prefix_batch(tables, ctx, n_pool, dtype=torch.float32):
+    """Head-major pools full of random keys and values; the last block of each sequence is NaN
+    past its length, as a real pool may be."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(n_pool, 2, 4, 8, generator=gen, dtype=dtype).transpose(1, 2)
+    v = torch.randn(n_pool, 2, 4, 8, generator=gen, dtype=dtype).transpose(1, 2)
+    for table, n in zip(tables, ctx):
+        if n % 4:
+            k[table[-1], n % 4 :] = float("nan")
+            v[table[-1], n % 4 :] = float("nan")
+    meta = AttentionMetadata.build(tables, ctx, [1] * len(tables), block_size=4)
+    return torch.randn(len(tables), 2, 8, generator=gen, dtype=dtype), k, v, meta
+
+
+@pytest.mark.parametrize(
+    "tables, ctx, n_pool, shared_in_place",
+    [
+        # three sequences over one cached prefix (blocks 2 and 0), each with a last block of its own
+        ([[2, 0, 5], [2, 0, 1], [2, 3]], [11, 10, 6], 8, True),
+        # blocks held by 4, 3 and 2 sequences, a sequence holding nothing shared, a hole (block 6)
+        ([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 5], [0, 7], [8, 9]], [14, 13, 9, 5, 6], 10, True),
+        # shared blocks far apart in a big pool: the shared run is gathered
+        ([[1, 60, 3], [1, 60, 4], [1, 5]], [12, 10, 7], 64, False),
+    ],
+)
+def test_sequences_sharing_blocks_read_them_in_place_and_match_the_reference(
+    tables, ctx, n_pool, shared_in_place, dtype
+):
+    q, k, v, meta = _shared_prefix_batch(tables, ctx, n_pool, dtype)
     ref = paged_attention_reference(q, k, v, meta)
     out = decode_attention_cpu(q, k, v, meta)
-    assert meta.plans["cpu_decode"].run is None  # shared blocks: gathered, one row per holder
-    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    plan = meta.plans["cpu_decode"]
+    assert plan.shared is not None
+    assert (plan.shared.run is not None) == shared_in_place
+    holders = [sum(b in t[: -(-n // 4)] for t, n in zip(tables, ctx)) for b in range(n_pool)]
+    assert plan.shared.width == max(holders) - 1
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_a_shared_prefix_gives_each_holder_what_it_gets_alone():
+    tables, ctx = [[0, 1, 2], [0, 1, 3], [0, 1, 4]], [10, 12, 9]
+    q, k, v, meta = _shared_prefix_batch(tables, ctx, 5)
+    together = decode_attention_cpu(q, k, v, meta)
+    for i in range(3):
+        alone = AttentionMetadata.build([tables[i]], [ctx[i]], [1], block_size=4)
+        torch.testing.assert_close(
+            together[i], decode_attention_cpu(q[i : i + 1], k, v, alone)[0], atol=1e-6, rtol=0
+        )

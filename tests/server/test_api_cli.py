@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from model import get_tokenizer
 from server.chat import ChatTemplate, ChatTemplateError
 from server.settings import Settings, SettingsError, build_parser, settings_from_args
 from tests.server.conftest import free_port, wait_for_server
@@ -216,6 +217,19 @@ def test_chat_template_default_and_file(tmp_path: Path) -> None:
     assert custom.stop == ("</assistant>", "\n<user>")
     with pytest.raises(ChatTemplateError):
         ChatTemplate.parse("no separator here")
+
+
+def test_a_follow_up_turn_starts_with_the_tokens_generated_before() -> None:
+    template, tok = ChatTemplate(), get_tokenizer()
+    first = [("system", "You are terse."), ("user", "Who is Romeo?")]
+    prompt = tok.encode(template.render(first))
+    answer = tok.encode(" A young man of Verona, in love with Juliet.")  # as a model writes it
+    follow_up = [*first, ("assistant", tok.decode(answer)), ("user", "And Tybalt?")]
+    rendered = template.render(follow_up)
+    assert rendered.startswith(template.render(first) + tok.decode(answer) + "\n")
+    assert tok.encode(rendered)[: len(prompt) + len(answer)] == prompt + answer
+    # content without a leading space keeps the template's own
+    assert template.render([("user", "hi")]) == "User: hi\nAssistant:"
 
 
 def test_sigterm_drains_stream_and_exits_0(tiny_checkpoint: Path) -> None:
