@@ -226,10 +226,10 @@ class KVCache:
         self.allocator.free([table[i]])
         table[i] = block
 
-    def write(
-        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store new keys/values (N, H, D) of one layer at their slots."""
-        where = (slot_mapping // self.block_size, slot_mapping % self.block_size)  # (block, offset)
+    def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's new keys/values (N, H, D) at the step's slots (`meta.slot_mapping`)."""
+        slots = meta.slot_mapping
+        bs = self.block_size
+        where = meta.plan("kv_write", lambda: (slots // bs, slots % bs))  # (block, offset)
         self.k[layer].index_put_(where, k.to(self.k.dtype))
         self.v[layer].index_put_(where, v.to(self.v.dtype))

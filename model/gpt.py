@@ -62,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(N, self.n_head, self.head_dim)  # (N, nh, hs)
         k = k.view(N, self.n_head, self.head_dim)
         v = v.view(N, self.n_head, self.head_dim)
-        cache.write(layer, meta.slot_mapping, k, v)
+        cache.write(layer, meta, k, v)
         y = paged_attention(q, cache.k[layer], cache.v[layer], meta)  # (N, nh, hs)
         return self.c_proj(y.reshape(N, C))
 

@@ -101,7 +101,7 @@ def test_pools_store_each_block_and_head_as_one_tile_and_writes_land_in_their_sl
     assert cache.k.transpose(2, 3).is_contiguous() and cache.v.transpose(2, 3).is_contiguous()
     batch = cache.prepare([(0, 6)])  # slots 0..5: blocks 0 and 1
     k = torch.randn(6, n_head, head_dim)
-    cache.write(1, batch.slot_mapping, k, -k)
+    cache.write(1, batch, k, -k)
     assert torch.equal(cache.k[1, 0], k[:4]) and torch.equal(cache.k[1, 1, :2], k[4:])
     assert torch.equal(cache.v[1, 1, :2], -k[4:])
     assert not cache.k[0].any() and not cache.k[1, 1, 2:].any()
