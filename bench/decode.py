@@ -4,6 +4,7 @@
     python bench/decode.py --rows fp32,int8                 # some of the rows
     python bench/decode.py --quantize int8 --dtype float32  # one row, as the server flags say
     python bench/decode.py --device cuda                    # on a GPU
+    python bench/decode.py --no-speculative                 # without the speculative rows
 
 Random GPT-2 124M weights. Every side gets a 64-token prompt and produces 128 new tokens
 greedily; transformers runs in float32 (the baseline). The table gives tokens/s at 1 and more
@@ -14,6 +15,10 @@ run every side in turn, so a slow spell on a shared machine falls on all of them
 
 A row is an entry of ROWS: a label, the weights' dtype and quantization, and EngineConfig
 fields (a speculative row sets `speculative`, and `draft` builds its draft model).
+
+Last, the speculative rows (`bench/decode_speculative.py`): plain, n-gram and draft-model
+speculation, one stream, on the bundled default model, whose trained weights make guesses mean
+something, for a prompt that repeats and one that does not.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import server.engine as engine_module  # noqa: E402
+from bench.decode_speculative import speculative_rows  # noqa: E402
 from model import GPT, get_tokenizer, load_checkpoint  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
 from model.cpu_memory import retain_freed_memory  # noqa: E402
@@ -193,6 +199,7 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--rounds", type=int, default=3, help="single-stream runs per side (best kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-speculative", action="store_true", help="skip the speculative rows")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -276,6 +283,8 @@ def main() -> None:
     print(f"  {'':28}" + "".join(f"{s.row.label[:16]:>18}" for s in served))
     for k in parts:
         print(f"  {k:28}" + "".join(f"{100 * s.breakdown.get(k, 0):16.1f} %" for s in served))
+    if not args.no_speculative and dev == "cpu":
+        speculative_rows(args.rounds)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class _Record:
     accepted: int = 0
     misses: int = 0  # proposals in a row that had no guess to offer
     paused_until: int = 0  # a step count: no guesses before it
+    pauses: int = 0  # poor runs of guesses in a row: each pause lasts twice the one before
 
 
 @dataclass
@@ -104,7 +105,9 @@ class Speculator:
     proposer: NgramProposer | DraftProposer
     num_tokens: int = 4  # guesses per sequence and step, at most
     max_batch: int = 4  # no guesses while more sequences than this decode
-    pause_steps: int = 16  # after a poor run of guesses, how long a sequence decodes plainly
+    pause_steps: int = 16  # after a first poor run of guesses, how long a sequence decodes plainly
+    window: int = 2  # verifications judged together
+    max_doublings: int = 6  # the longest pause: pause_steps * 2**6 steps
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     _records: dict[int, _Record] = field(default_factory=dict)
@@ -136,7 +139,10 @@ class Speculator:
                     r.paused_until, r.misses = self._steps + self.pause_steps, 0
 
     def record(self, seq: Sequence, accepted: int) -> None:
-        """Count a verification; pause a sequence whose guesses keep failing."""
+        """Count a verification. Every `window` verifications, a sequence that got under a quarter
+        of its guesses accepted pauses, each poor run in a row twice as long as the last (so a
+        draft that does not pay for this text costs a few tries, not one in every few steps);
+        one that got half or more starts its backoff over."""
         r = self._records.setdefault(seq.seq_id, _Record())
         r.attempts += 1
         r.misses = 0
@@ -144,9 +150,14 @@ class Speculator:
         r.accepted += accepted
         self.proposed_tokens += len(seq.guesses)
         self.accepted_tokens += accepted
-        if r.attempts >= 4 and r.accepted < 0.25 * r.proposed:
-            r.paused_until = self._steps + self.pause_steps
-            r.attempts = r.proposed = r.accepted = 0
+        if r.attempts < self.window:
+            return
+        if r.accepted < 0.25 * r.proposed:
+            r.paused_until = self._steps + (self.pause_steps << min(r.pauses, self.max_doublings))
+            r.pauses += 1
+        elif r.accepted >= 0.5 * r.proposed:
+            r.pauses = 0
+        r.attempts = r.proposed = r.accepted = 0
 
     def forget(self, seq: Sequence) -> None:
         self._records.pop(seq.seq_id, None)

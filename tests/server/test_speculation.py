@@ -6,6 +6,8 @@ import torch
 from model import GPT, ModelConfig, get_tokenizer
 from model.sampling import SamplingParams
 from server.engine import Engine, EngineConfig
+from server.sequence import Sequence
+from server.speculation import Speculator
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +124,43 @@ def test_n_completions_fork_when_the_prompt_ends_in_a_one_token_chunk(model, tok
     plain, _ = run(Engine(model, tok, EngineConfig(**config)), requests)
     spec, _ = run(Engine(model, tok, EngineConfig(**config, speculative="ngram")), requests)
     assert spec == plain and len(spec[("b", 1)]["tokens"]) == 12
+
+
+class _FixedGuesses:
+    """A proposer that always offers the same guesses (the test decides what verification says)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, seqs):
+        self.calls += 1
+        return {s.seq_id: [1, 2, 3, 4][:k] for s, k in seqs}
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+def _decoding_sequence(tok) -> Sequence:
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    seq = Sequence(0, "r", 0, [5, 6, 7], params, tok)
+    seq.token_ids.append(8)  # one generated token, not yet in the cache: decoding
+    seq.num_cached = len(seq.token_ids) - 1
+    return seq
+
+
+@pytest.mark.parametrize("accepted", [0, 4])
+def test_guesses_that_keep_failing_are_tried_ever_more_rarely(tok, accepted):
+    proposer = _FixedGuesses()
+    speculator = Speculator(proposer, num_tokens=4, max_batch=4)
+    seq = _decoding_sequence(tok)
+    tried = 0
+    for _ in range(1000):
+        speculator.propose([seq], max_len=100_000)
+        if seq.guesses:
+            tried += 1
+            speculator.record(seq, accepted)
+    if accepted:  # every guess right: guesses every step
+        assert tried == 1000
+    else:  # 2 tries, then pauses of 16, 32, ..., 512 steps: 6 runs of 2 tries in 1000 steps
+        assert tried == 12
+        assert speculator.proposed_tokens == 4 * tried and speculator.accepted_tokens == 0
