@@ -7,9 +7,8 @@ text `--help` prints) and training/loop.py runs it; docs/TRAINING.md describes w
 
 from __future__ import annotations
 
+import os
 import sys
-
-import torch.distributed as dist
 
 from training.args import parse_config
 from training.distributed import Dist, join_process_group, on_every_rank
@@ -30,11 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; continue with --resume", file=sys.stderr)
         return 130
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 
+def leave(code: int) -> None:
+    """Exit with `code`. Under torchrun the worker leaves without destroying its process group
+    and without Python's and C++'s teardown: every rank is done by then (`train` ends on a
+    barrier, and a TrainError reaches every rank), and in that teardown gloo's and the store's
+    threads could abort a finished worker ("terminate called without an active exception") or
+    hang it on a peer that has already gone, failing a run that succeeded."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -9,6 +9,7 @@ global batches, which must give the same update (DDP averages the ranks' mean gr
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -74,8 +75,14 @@ def main(out: str) -> None:
     result = run(DDP(LossModule(model)), model, rank, world)
     if rank == 0:
         torch.save({**result, "state": model.state_dict()}, out)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # as train.py does under torchrun: no interpreter teardown, where gloo's threads can abort
+    # a finished worker ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
