@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
 from model.cache import KVCache  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
 from model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
@@ -135,6 +136,38 @@ def attention_rows(batch: int) -> list[Row]:
     finally:
         sdpa_paged.GROUP_BYTES = default_group
     return rows
+
+
+def shared_prefix_rows(batch: int = 8, shared: int = 64, private: int = 20) -> list[Row]:
+    """Decode attention for sequences over one cached prefix of `shared` blocks (16 tokens each),
+    `private` blocks of their own each: a gathered copy of every holder's blocks (how shared
+    blocks were read before) against reading each block where it lies."""
+    torch.manual_seed(0)
+    per_seq = shared + private
+
+    def pool(n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = (torch.randn(12, n_blocks, 12, 16, 64).transpose(2, 3) for _ in range(2))
+        return k, v  # head-major, as KVCache stores them: (layers, blocks, 16, H, 64)
+
+    # before: each holder has its own copy of the prefix, spread over the pool: gathered
+    spread = [[3 * (i * per_seq + j) for j in range(per_seq)] for i in range(batch)]
+    # after: one copy of the prefix, at the front, then each sequence's own blocks
+    tables = [list(range(shared)) + [shared + i * private + j for j in range(private)]
+              for i in range(batch)]  # fmt: skip
+    lens = [per_seq * 16 - 5] * batch
+    q = torch.randn(batch, 12, 64)
+    k_spread, v_spread = pool(3 * batch * per_seq)
+    k_shared, v_shared = pool(shared + batch * private)
+
+    def step(k: torch.Tensor, v: torch.Tensor, table: list[list[int]]) -> None:
+        meta = AttentionMetadata.build(table, lens, [1] * batch, block_size=16)
+        for layer in range(12):
+            paged_decode_cpu.decode_attention_cpu(q, k[layer], v[layer], meta)
+
+    label = f"decode attention, {batch} seqs sharing {shared * 16}"
+    times = alternate(lambda: step(k_spread, v_spread, spread),
+                      lambda: step(k_shared, v_shared, tables))  # fmt: skip
+    return [(label, "a copy per holder -> in place", *times)]
 
 
 def decode_step_ms(retain: bool) -> float:
@@ -306,6 +339,7 @@ def step_rows() -> list[Row]:
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
+    "shared": shared_prefix_rows,
     "allocator": lambda: [allocator_row()],
     "precision": lambda: precision_rows() + read_rows(),
     "steps": step_rows,
