@@ -4,8 +4,10 @@ For a decode step (one new token per sequence) over pools stored head-major, as 
 them: each (block, head) is a contiguous (block_size, D) tile, so one `bmm` multiplies every
 used tile by its sequence's query, another every tile's probabilities by its values. In between,
 the small score tensor is laid out per sequence in block-table order for one softmax per
-sequence and head, and the tiles' outputs are summed in that order, so a sequence's result does
-not depend on where its blocks lie or on what else is in the batch.
+sequence and head, and the tiles' outputs are summed in that order, so in float32 a sequence's
+result does not depend on where its blocks lie or on what else is in the batch, to the bit,
+unless it shares blocks (below: a later holder's product rounds like a several-query product,
+within about 1e-7) or its batch decides the bfloat16/float16 upcast (`UPCAST_ELEMENTS`).
 
 The allocator hands out the lowest free blocks (`model.cache.BlockAllocator`), so the blocks of a
 batch usually form one run at the front of the pool, which is read in place, holes included
@@ -15,7 +17,9 @@ Sequences may share blocks (a cached prompt prefix, n > 1 completions). The firs
 distinct block once, scored by its first holder; the blocks with more holders are then read once
 more, as a run of their own where they lie (or gathered), against all their further holders'
 queries at once (one (Mb, D) x (D, bs) product per block and head). A shared block is read twice
-however many sequences hold it, never copied per holder.
+however many sequences hold it, never copied per holder. A decoding sequence's last block is
+its own (its new key was just written there; `KVCache` copies a shared block before a write):
+a batch where it is not is refused.
 
 Slots past a sequence's length in its last block may hold anything, even NaN. Their scores are
 masked; their values are set to zero in the pool, since 0 * NaN is NaN. Nothing lives there: the
@@ -113,6 +117,12 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
     n_rows = n_first
     if int(counts.max()) > 1:  # further holders: Mb slots per shared block, after the first pass
         shared_blocks = distinct[counts > 1]  # (Rs,) sorted
+        last = block_tables.long().gather(1, (n_blocks - 1)[:, None])[:, 0]  # (B,)
+        if bool(torch.isin(last, shared_blocks).any()):  # its new key was written there
+            raise ValueError(
+                "a decoding sequence's last block is shared: it must hold it alone (KVCache "
+                "copies a shared block before a write)"
+            )
         slots = int(counts.max()) - 1
         shared_run, shared_row = _rows_for(shared_blocks, shared_blocks.numel())
         n_shared = shared_row.numel() if shared_run is None else shared_run[1] - shared_run[0]

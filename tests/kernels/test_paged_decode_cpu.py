@@ -152,3 +152,10 @@ def test_a_shared_prefix_gives_each_holder_what_it_gets_alone():
         torch.testing.assert_close(
             together[i], decode_attention_cpu(q[i : i + 1], k, v, alone)[0], atol=1e-6, rtol=0
         )
+
+
+def test_a_shared_last_block_is_refused():
+    # sequence 1's newest key would sit in a block sequence 0 reads too: KVCache never builds this
+    q, k, v, meta = _shared_prefix_batch([[0, 1], [0, 1]], [6, 7], 2)
+    with pytest.raises(ValueError, match="last block is shared"):
+        decode_attention_cpu(q, k, v, meta)
