@@ -223,8 +223,10 @@ def sample(
     if allowed is not None:
         logits = logits.float().masked_fill(~allowed.to(device, non_blocking=True), float("-inf"))
     logits = apply_penalties(logits.float(), rows)  # a copy only if a row changes it
-    # log-probabilities as logit - logsumexp: no (B, V) log-softmax copy for a few values
-    log_total = torch.logsumexp(logits, dim=-1)  # (B,)
+    # log_softmax, though only a few of its values are read: on a CPU it is faster than
+    # logsumexp (32 rows of GPT-2's vocabulary: 0.36 against 0.71 ms, and 3.3 ms for logsumexp
+    # when masked rows hold -inf, whose exp takes a slow path)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (B, V)
     tokens = logits.argmax(dim=-1)  # greedy choice; replaced below for sampled rows
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
@@ -233,17 +235,20 @@ def sample(
         temps = torch.tensor(temps, device=device)[:, None]
         scaled = truncate(logits[idx] / temps, [rows[i] for i in sampled])
         probs = torch.softmax(scaled, dim=-1)  # (S, V)
-        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row has its own E
-        noise = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(sampled):
-            if rows[i].generator is not None:  # a seeded row: its own CPU generator's draw
-                draw = torch.empty(probs.shape[1]).exponential_(generator=rows[i].generator)
-                noise[j] = draw.to(device, non_blocking=True)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
-    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_total  # (B,)
+        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row has its own E,
+        # drawn as -log(U) for U ~ Uniform[0, 1): on a CPU 5x faster than exponential_ (32 rows
+        # of GPT-2's vocabulary: 4.7 against 23 ms); U = 0 gives E = inf, a weight of 0
+        noise = torch.empty_like(probs)
+        seeded = [j for j, i in enumerate(sampled) if rows[i].generator is not None]
+        if len(seeded) < len(sampled):
+            noise.uniform_()  # the seeded rows are drawn again below
+        for j in seeded:  # a seeded row: its own CPU generator's draw
+            draw = torch.empty(probs.shape[1]).uniform_(generator=rows[sampled[j]].generator)
+            noise[j] = draw.to(device, non_blocking=True)
+        tokens[idx] = (probs / noise.log_().neg_()).argmax(dim=-1)
+    chosen = log_probs.gather(1, tokens[:, None])[:, 0]  # (B,)
     n_top = max((r.params.logprobs or 0) for r in rows)
-    values, ids = logits.topk(n_top, dim=-1)  # (B, n_top)
-    values = values - log_total[:, None]
+    values, ids = log_probs.topk(n_top, dim=-1)  # (B, n_top)
     tokens, chosen, ids, values = _to_host(tokens, chosen, ids, values)
     wanted = [r.params.logprobs or 0 for r in rows]
     top_ids = [row[:n] for row, n in zip(ids, wanted)]

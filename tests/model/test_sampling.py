@@ -66,6 +66,16 @@ def test_sampling_follows_the_distribution():
     assert abs(draws.count(1) / 4000 - 0.25) < 0.03
 
 
+def test_unseeded_rows_of_one_batch_follow_the_distribution():
+    torch.manual_seed(2)
+    rows = [_row() for _ in range(4000)]
+    rows[::2] = [_row(gen=torch.Generator().manual_seed(i)) for i in range(2000)]  # mixed in
+    tokens = sample(LOGITS[None].repeat(4000, 1), rows).tokens
+    for part in (tokens[1::2], tokens[::2]):  # unseeded rows, seeded rows
+        for token, p in enumerate([0.5, 0.25, 0.15, 0.07, 0.03]):
+            assert abs(part.count(token) / len(part) - p) < 0.035, (token, part.count(token))
+
+
 def test_logit_bias_forces_and_bans():
     assert sample(LOGITS[None], [_row(temperature=0, logit_bias={3: 100.0})]).tokens == [3]
     assert _draws(LOGITS, logit_bias={0: -100.0, 1: -100.0}) <= {2, 3, 4}
