@@ -72,12 +72,17 @@ def apply_all(modules: list[nn.Module], plain: list[nn.Linear], xs: dict[int, to
     return lambda: [m(xs[p.in_features]) for m, p in zip(modules, plain)]
 
 
+def gpt2_matrices() -> tuple[list[nn.Linear], nn.Linear]:
+    """GPT-2 124M's 48 layer matrices and its vocabulary head, seeded random weights."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(i, o) for _ in range(12) for i, o in LAYER_SHAPES]
+    return layers, nn.Linear(768, 50257, bias=False)
+
+
 @torch.no_grad()
 def linear_rows() -> list[Row]:
-    torch.manual_seed(0)
     threads = torch.get_num_threads()
-    layers = [nn.Linear(i, o) for _ in range(12) for i, o in LAYER_SHAPES]
-    head = nn.Linear(768, 50257, bias=False)
+    layers, head = gpt2_matrices()
     forms = {
         "48 layer matrices": (
             layers,
@@ -227,10 +232,8 @@ def _bf16(linear: nn.Linear) -> nn.Linear:
 @torch.no_grad()
 def precision_rows() -> list[Row]:
     """fp32 as the Engine runs it -> bf16 and -> int8, per part; int8's two products."""
-    torch.manual_seed(0)
     threads = torch.get_num_threads()
-    layers = [nn.Linear(i, o) for _ in range(12) for i, o in LAYER_SHAPES]
-    head = nn.Linear(768, 50257, bias=False)
+    layers, head = gpt2_matrices()
     layers16, head16 = [_bf16(m) for m in layers], _bf16(head)
     forms = {
         "48 layer matrices": (

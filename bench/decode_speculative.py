@@ -17,6 +17,7 @@ is most of this model's weights.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -97,20 +98,21 @@ def decode(side: Side, case: Case) -> tuple[float, int, float]:
 def speculative_rows(rounds: int, num_tokens: int = 4) -> None:
     """Print the speculative table: every side in turn for each case, best of `rounds`."""
     tok = get_tokenizer()
+    loaded = load_checkpoint(DEFAULT_MODEL)
+    size = weight_bytes(loaded)
 
     def engine(config: EngineConfig, draft: GPT | None = None) -> Engine:
-        model = optimize_for_cpu(load_checkpoint(DEFAULT_MODEL))
+        model = optimize_for_cpu(copy.deepcopy(loaded))  # the CPU wing swaps modules in place
         return Engine(model, tok, config, draft_model=draft)
 
     plain_config = EngineConfig(max_num_seqs=4)
     spec_config = dataclasses.replace(plain_config, num_speculative_tokens=num_tokens)
-    draft = optimize_for_cpu(first_layers(load_checkpoint(DEFAULT_MODEL), 1))
+    draft = optimize_for_cpu(first_layers(loaded, 1))
     sides = [
         Side("plain", engine(plain_config)),
         Side("ngram", engine(dataclasses.replace(spec_config, speculative="ngram"))),
         Side("draft", engine(dataclasses.replace(spec_config, speculative="draft"), draft)),
     ]
-    size = weight_bytes(load_checkpoint(DEFAULT_MODEL))
     all_cases = cases()
     for side in sides:  # warm-up
         decode(side, dataclasses.replace(all_cases[0], params=SamplingParams(max_tokens=4)))

@@ -105,6 +105,7 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
     seq = torch.arange(batch, device=device)[:, None].expand(-1, width)[used]  # (U,)
     index = j[None, :].expand(batch, -1)[used]  # (U,)
     first_key = (j * bs)[None, :].expand(batch, -1)[used]  # (U,) position of a block's slot 0
+    last_block = block_tables.long().gather(1, (n_blocks - 1)[:, None])[:, 0]  # (B,)
 
     # first pass: every distinct block once, scored by its first holder; the run is read in place
     # (holes masked) unless it is over twice the blocks in use, then the blocks are gathered
@@ -117,8 +118,7 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
     n_rows = n_first
     if int(counts.max()) > 1:  # further holders: Mb slots per shared block, after the first pass
         shared_blocks = distinct[counts > 1]  # (Rs,) sorted
-        last = block_tables.long().gather(1, (n_blocks - 1)[:, None])[:, 0]  # (B,)
-        if bool(torch.isin(last, shared_blocks).any()):  # its new key was written there
+        if bool(torch.isin(last_block, shared_blocks).any()):  # its new key was written there
             raise ValueError(
                 "a decoding sequence's last block is shared: it must hold it alone (KVCache "
                 "copies a shared block before a write)"
@@ -145,9 +145,10 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
     last_slot = (ctx - 1) % bs  # (B,) slot of each sequence's newest key in its last block
     offsets = torch.arange(bs, device=device)[None, :]
     stale_at = offsets > last_slot[:, None]  # (B, bs)
-    last_block = block_tables.long().gather(1, (n_blocks - 1)[:, None]).expand(-1, bs)
     heads = torch.arange(n_head, device=device)[None, :]
-    stale = (last_block[stale_at][:, None] * n_head + heads) * bs  # (S, H) first row of a tile
+    stale = (
+        last_block[:, None].expand(-1, bs)[stale_at][:, None] * n_head + heads
+    ) * bs  # (S, H) first row of a tile
     stale = (stale + offsets.expand(batch, -1)[stale_at][:, None]).reshape(-1)
     return _Plan(
         run=run,

@@ -9,7 +9,6 @@ global batches, which must give the same update (DDP averages the ranks' mean gr
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, ModelConfig
+from train import leave
 from training.step import LossModule, make_optimizer, train_step
 
 CONFIG = ModelConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -81,8 +81,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # as train.py does under torchrun: no interpreter teardown, where gloo's threads can abort
-    # a finished worker ("terminate called without an active exception")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # as train.py does under torchrun: no interpreter teardown
