@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 from kernels.paged_decode_cpu import decode_attention_cpu, is_head_major
+from kernels.prefill_cpu import prefill_attention_cpu, shares_prefix
 from kernels.reference import attention_reference, paged_attention_reference
 from kernels.sdpa_paged import paged_attention_sdpa
 
@@ -83,12 +84,24 @@ def _paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float | None,
 ) -> torch.Tensor:  # fmt: skip
-    """The leading decodes read head-major pools in place; prefills (and the rest) gather + SDPA."""
-    n = meta.num_decodes
-    if n == 0 or not is_head_major(k_cache, v_cache):
+    """Over head-major pools: the leading decodes read the pools in place; the rest (prefills)
+    read a prefix that several of them share once (cascade), or else gather + SDPA."""
+    if not is_head_major(k_cache, v_cache):
         return paged_attention_sdpa(q, k_cache, v_cache, meta, scale)
+    n = meta.num_decodes
     if n == meta.num_seqs:
         return decode_attention_cpu(q, k_cache, v_cache, meta, scale)
+    if n == 0:
+        return _prefill_cpu(q, k_cache, v_cache, meta, scale)
     decodes, rest = meta.plan("cpu_split", lambda: meta.split(n))
     first = decode_attention_cpu(q[:n], k_cache, v_cache, decodes, scale)
-    return torch.cat([first, paged_attention_sdpa(q[n:], k_cache, v_cache, rest, scale)])
+    return torch.cat([first, _prefill_cpu(q[n:], k_cache, v_cache, rest, scale)])
+
+
+def _prefill_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float | None,
+) -> torch.Tensor:  # fmt: skip
+    if shares_prefix(meta, k_cache.shape[1]):
+        return prefill_attention_cpu(q, k_cache, v_cache, meta, scale)
+    return paged_attention_sdpa(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,213 @@
+"""Prefill attention on the CPU where several sequences continue one cached prefix (cascade).
+
+When sequences of a step continue the same cached blocks (a shared system prompt, earlier turns
+of conversations that began alike), their new tokens all attend to those blocks. Gathering the
+blocks per sequence and running one attention per sequence reads them once per holder, with
+short, inefficient products (19-58 queries against 1.1k keys). Here the blocks that a group of
+sequences shares ahead of all their new tokens are read once, and every member's queries are
+scored against them in one matrix product per head; each sequence's own keys (the rest of its
+context, causally masked) are scored separately, and the two parts are merged by their row
+maxima and sums, as a split softmax is (FlashInfer's "cascade" attention does this on GPUs).
+
+A group is the sequences whose tables start with the same block; its shared prefix is their
+common leading blocks, cut to the full blocks every member has cached before its first new
+token, so no causal mask or stale slot is ever needed there. Sequences in no group attend to
+their whole context in one SDPA call. `shares_prefix` says whether a step has a group at all;
+without one the caller keeps the batched gather + SDPA path (`kernels.sdpa_paged`).
+
+Pools are head-major, as `KVCache` stores them (`kernels.paged_decode_cpu.is_head_major`). The
+arithmetic is float32 whatever the pools hold. Slots past a sequence's end in its last block may
+hold anything (even NaN): their scores are masked and the gathered copies of their keys and
+values are zeroed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_products import onednn_products, product_nt
+from kernels.metadata import AttentionMetadata
+
+SCORE_BYTES = 16 << 20  # float32 scores held at once: longer query runs are taken in slices
+
+
+@dataclass
+class _Group:
+    """Sequences whose new tokens all follow the same cached blocks."""
+
+    blocks: torch.Tensor  # (P,) the shared pool blocks, in table order
+    rows: torch.Tensor  # (Ng,) packed query rows of every member, member after member
+
+
+@dataclass
+class _Seq:
+    """One sequence's own part: its queries against its keys past the group's shared blocks."""
+
+    start: int  # packed query rows [start, stop)
+    stop: int
+    blocks: torch.Tensor  # (nb,) its pool blocks from the first one not shared with its group
+    n_keys: int  # its own keys: context length less the shared ones
+    masked: torch.Tensor  # (L, nb * bs) True where a query may not see a slot
+    group: int | None  # its group's index; None: all of its context is its own
+    group_rows: slice  # its rows within the group's rows
+
+
+@dataclass
+class _Plan:
+    groups: list[_Group]
+    seqs: list[_Seq]
+
+
+def _common_blocks(tables: list[list[int]]) -> int:
+    """How many leading blocks all `tables` have in common."""
+    n = 0
+    for column in zip(*tables):
+        if any(b != column[0] for b in column):
+            break
+        n += 1
+    return n
+
+
+def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
+    device = meta.block_tables.device
+    tables = meta.block_tables.tolist()
+    starts = meta.query_start.tolist()
+    # full blocks each sequence has cached ahead of its first new token: the most it may share
+    cached = [(n - q) // bs for n, q in zip(meta.seq_lens, meta.query_lens)]
+    by_first: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        if cached[i] > 0:
+            by_first.setdefault(table[0], []).append(i)
+    groups: list[_Group] = []
+    member: dict[int, tuple[int, int]] = {}  # sequence -> (group, shared blocks)
+    for seqs in by_first.values():
+        if len(seqs) < 2:
+            continue
+        shared = min(_common_blocks([tables[i] for i in seqs]), *(cached[i] for i in seqs))
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+        groups.append(
+            _Group(torch.tensor(tables[seqs[0]][:shared], device=device), rows.to(device))
+        )
+        for i in seqs:
+            member[i] = (len(groups) - 1, shared)
+    offsets: dict[int, int] = {}  # each group's rows filled so far
+    parts = []
+    for i, (n, q) in enumerate(zip(meta.seq_lens, meta.query_lens)):
+        group, shared = member.get(i, (None, 0))
+        first_key = shared * bs
+        own = tables[i][shared : -(-n // bs)]
+        slot = first_key + torch.arange(len(own) * bs, device=device)  # (nb * bs,) positions
+        qpos = n - q + torch.arange(q, device=device)  # (L,)
+        at = offsets.get(group, 0)
+        if group is not None:
+            offsets[group] = at + q
+        parts.append(
+            _Seq(
+                start=starts[i],
+                stop=starts[i + 1],
+                blocks=torch.tensor(own, device=device),
+                n_keys=n - first_key,
+                masked=slot[None, :] > qpos[:, None],  # also every slot past the context
+                group=group,
+                group_rows=slice(at, at + q),
+            )
+        )
+    return _Plan(groups, parts)
+
+
+def shares_prefix(meta: AttentionMetadata, block_size: int) -> bool:
+    """Whether two or more sequences of the step continue the same cached blocks."""
+    return bool(meta.plan("cpu_prefill", lambda: _make_plan(meta, block_size)).groups)
+
+
+def _gather(tiles: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """(NB, H, bs, D) head-major tiles -> (H, len(blocks) * bs, D) float32, in table order."""
+    picked = tiles.index_select(0, blocks)  # (nb, H, bs, D)
+    return picked.transpose(0, 1).reshape(tiles.shape[1], -1, tiles.shape[3]).float()
+
+
+def _partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scaled queries (H, L, D) against keys and values (H, Lk, D): the unnormalised output
+    (H, L, D) with each row's score maximum and sum of exponentials (H, L, 1)."""
+    n_head, n_q = q.shape[:2]
+    step = max(1, SCORE_BYTES // (4 * n_head * k.shape[1]))
+    outs, maxima, sums = [], [], []
+    for i in range(0, n_q, step):
+        scores = torch.matmul(q[:, i : i + step], k.transpose(1, 2))  # (H, l, Lk)
+        if masked is not None:
+            scores.masked_fill_(masked[i : i + step], float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        weights = scores.sub_(top).exp_()
+        maxima.append(top)
+        sums.append(weights.sum(-1, keepdim=True))
+        outs.append(torch.matmul(weights, v))
+    if len(outs) == 1:
+        return outs[0], maxima[0], sums[0]
+    return torch.cat(outs, 1), torch.cat(maxima, 1), torch.cat(sums, 1)
+
+
+def _partial_unmasked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_partial` without a mask, a head at a time, through oneDNN's products where it runs
+    (about twice MKL's rate on the development box for these shapes)."""
+    if not onednn_products():
+        return _partial(q, k, v, None)
+    n_head, n_q, head_dim = q.shape
+    out = q.new_empty(n_head, n_q, head_dim)
+    maxima, sums = q.new_empty(n_head, n_q, 1), q.new_empty(n_head, n_q, 1)
+    step = max(1, SCORE_BYTES // (4 * k.shape[1]))
+    for h in range(n_head):
+        for i in range(0, n_q, step):
+            rows = slice(i, i + step)
+            scores = product_nt(q[h, rows], k[h])  # (l, Lk)
+            top = scores.amax(-1, keepdim=True)
+            weights = scores.sub_(top).exp_()
+            maxima[h, rows] = top
+            sums[h, rows] = weights.sum(-1, keepdim=True)
+            out[h, rows] = product_nt(weights, v[h].t())
+    return out, maxima, sums
+
+
+def prefill_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    sm_scale: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """(N, H, D) new tokens against head-major paged K/V; see `paged_attention_reference`."""
+    k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
+    n_head, bs, head_dim = k_tiles.shape[1:]
+    scale = sm_scale if sm_scale is not None else head_dim**-0.5
+    plan = meta.plan("cpu_prefill", lambda: _make_plan(meta, bs))
+    qh = (q.float() * scale).transpose(0, 1)  # (H, N, D)
+    shared = []  # per group: unnormalised output, row maxima and sums over the shared keys
+    for group in plan.groups:
+        shared.append(
+            _partial_unmasked(
+                qh.index_select(1, group.rows),
+                _gather(k_tiles, group.blocks),
+                _gather(v_tiles, group.blocks),
+            )
+        )
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for seq in plan.seqs:
+        keys, values = _gather(k_tiles, seq.blocks), _gather(v_tiles, seq.blocks)
+        keys[:, seq.n_keys :] = 0  # past the context: masked scores and 0 weights must
+        values[:, seq.n_keys :] = 0  # not meet garbage (NaN + -inf and 0 * NaN are NaN)
+        q_seq = qh[:, seq.start : seq.stop]  # (H, L, D)
+        if seq.group is None:
+            part = F.scaled_dot_product_attention(
+                q_seq[None], keys[None], values[None], attn_mask=~seq.masked[None, None], scale=1.0
+            )[0]
+        else:
+            o1, m1, s1 = (t[:, seq.group_rows] for t in shared[seq.group])
+            o2, m2, s2 = _partial(q_seq, keys, values, seq.masked)
+            top = torch.maximum(m1, m2)
+            w1, w2 = (m1 - top).exp_(), (m2 - top).exp_()
+            part = (o1 * w1 + o2 * w2) / (s1 * w1 + s2 * w2)  # (H, L, D)
+        out[seq.start : seq.stop] = part.transpose(0, 1)
+    return out.to(q.dtype)
