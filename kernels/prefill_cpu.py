@@ -6,8 +6,8 @@ blocks per sequence and running one attention per sequence reads them once per h
 short, inefficient products (19-58 queries against 1.1k keys). Here the blocks that a group of
 sequences shares ahead of all their new tokens are read once, and every member's queries are
 scored against them in one matrix product per head; each sequence's own keys (the rest of its
-context, causally masked) are scored separately, and the two parts are merged by their row
-maxima and sums, as a split softmax is (FlashInfer's "cascade" attention does this on GPUs).
+context, causally masked) are scored separately, and the two parts are merged by their rows'
+log-sum-exps, as a split softmax is (FlashInfer's "cascade" attention does this on GPUs).
 
 A group is the sequences whose tables start with the same block; its shared prefix is their
 common leading blocks, cut to the full blocks every member has cached before its first new
@@ -129,49 +129,51 @@ def _gather(tiles: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return picked.transpose(0, 1).reshape(tiles.shape[1], -1, tiles.shape[3]).float()
 
 
+def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax of (..., Lk) scores and each row's log-sum-exp (..., 1). PyTorch's fused
+    softmax beats a separate exp here; a row's sum of exponentials (after subtracting its
+    maximum) is the inverse of its largest probability."""
+    top = scores.amax(-1, keepdim=True)
+    probs = torch.softmax(scores, -1)
+    return probs, top - probs.amax(-1, keepdim=True).log_()
+
+
 def _partial(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scaled queries (H, L, D) against keys and values (H, Lk, D): the unnormalised output
-    (H, L, D) with each row's score maximum and sum of exponentials (H, L, 1)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled queries (H, L, D) against keys and values (H, Lk, D): the attention output over
+    these keys alone (H, L, D) and each row's log-sum-exp of scores (H, L, 1)."""
     n_head, n_q = q.shape[:2]
     step = max(1, SCORE_BYTES // (4 * n_head * k.shape[1]))
-    outs, maxima, sums = [], [], []
+    outs, lses = [], []
     for i in range(0, n_q, step):
         scores = torch.matmul(q[:, i : i + step], k.transpose(1, 2))  # (H, l, Lk)
         if masked is not None:
             scores.masked_fill_(masked[i : i + step], float("-inf"))
-        top = scores.amax(-1, keepdim=True)
-        weights = scores.sub_(top).exp_()
-        maxima.append(top)
-        sums.append(weights.sum(-1, keepdim=True))
-        outs.append(torch.matmul(weights, v))
+        probs, lse = _softmax_lse(scores)
+        outs.append(torch.matmul(probs, v))
+        lses.append(lse)
     if len(outs) == 1:
-        return outs[0], maxima[0], sums[0]
-    return torch.cat(outs, 1), torch.cat(maxima, 1), torch.cat(sums, 1)
+        return outs[0], lses[0]
+    return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
 def _partial_unmasked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`_partial` without a mask, a head at a time, through oneDNN's products where it runs
     (about twice MKL's rate on the development box for these shapes)."""
     if not onednn_products():
         return _partial(q, k, v, None)
     n_head, n_q, head_dim = q.shape
-    out = q.new_empty(n_head, n_q, head_dim)
-    maxima, sums = q.new_empty(n_head, n_q, 1), q.new_empty(n_head, n_q, 1)
+    out, lse = q.new_empty(n_head, n_q, head_dim), q.new_empty(n_head, n_q, 1)
     step = max(1, SCORE_BYTES // (4 * k.shape[1]))
     for h in range(n_head):
         for i in range(0, n_q, step):
             rows = slice(i, i + step)
-            scores = product_nt(q[h, rows], k[h])  # (l, Lk)
-            top = scores.amax(-1, keepdim=True)
-            weights = scores.sub_(top).exp_()
-            maxima[h, rows] = top
-            sums[h, rows] = weights.sum(-1, keepdim=True)
-            out[h, rows] = product_nt(weights, v[h].t())
-    return out, maxima, sums
+            probs, lse[h, rows] = _softmax_lse(product_nt(q[h, rows], k[h]))  # (l, Lk)
+            out[h, rows] = product_nt(probs, v[h].t())
+    return out, lse
 
 
 def prefill_attention_cpu(
@@ -184,7 +186,7 @@ def prefill_attention_cpu(
     scale = sm_scale if sm_scale is not None else head_dim**-0.5
     plan = meta.plan("cpu_prefill", lambda: _make_plan(meta, bs))
     qh = (q.float() * scale).transpose(0, 1)  # (H, N, D)
-    shared = []  # per group: unnormalised output, row maxima and sums over the shared keys
+    shared = []  # per group: the output over the shared keys alone, and its log-sum-exp
     for group in plan.groups:
         shared.append(
             _partial_unmasked(
@@ -204,10 +206,9 @@ def prefill_attention_cpu(
                 q_seq[None], keys[None], values[None], attn_mask=~seq.masked[None, None], scale=1.0
             )[0]
         else:
-            o1, m1, s1 = (t[:, seq.group_rows] for t in shared[seq.group])
-            o2, m2, s2 = _partial(q_seq, keys, values, seq.masked)
-            top = torch.maximum(m1, m2)
-            w1, w2 = (m1 - top).exp_(), (m2 - top).exp_()
-            part = (o1 * w1 + o2 * w2) / (s1 * w1 + s2 * w2)  # (H, L, D)
+            o1, lse1 = (t[:, seq.group_rows] for t in shared[seq.group])
+            o2, lse2 = _partial(q_seq, keys, values, seq.masked)
+            w1 = torch.sigmoid(lse1 - lse2)  # the shared keys' share of each row's softmax
+            part = torch.lerp(o2, o1, w1)  # (H, L, D)
         out[seq.start : seq.stop] = part.transpose(0, 1)
     return out.to(q.dtype)

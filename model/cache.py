@@ -5,10 +5,15 @@ table lists them. Running out of blocks raises `OutOfBlocks` before anything is 
 engine can preempt a sequence and retry.
 
 Prefix caching: once a block is full, it is keyed by its tokens and every token before them
-(`register_full_blocks`). A new sequence takes the longest run of keyed blocks that matches its
-prompt (`reuse_prefix`) and computes only the rest. Shared blocks are read only: a sequence
-writes only into blocks it holds alone, and one that would write into a shared block (the last,
-partly filled block of a prompt that n > 1 completions share) first gets a copy of its own.
+(`register_full_blocks`); when a sequence ends, its last, partly filled block is keyed by the
+tokens it holds. A new sequence takes the longest run of keyed full blocks that matches its
+prompt (`reuse_prefix`), then, token by token, the longest start of one more keyed block that
+follows the same blocks (a conversation's next turn diverges from the last inside a block: where
+the previous answer ended, or where its text re-tokenizes differently); that block is copied,
+since the sequence writes its own tokens after the match. It computes only the rest. Shared
+blocks are read only: a sequence writes only into blocks it holds alone, and one that would
+write into a shared block (the last, partly filled block of a prompt that n > 1 completions
+share) first gets a copy of its own.
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ class KVCache:
         self.prefix_caching = prefix_caching
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
-        self._keys: dict[
-            int, list[bytes]
-        ] = {}  # seq_id -> key of each of its full blocks, in order
+        self._keys: dict[int, list[bytes]] = {}  # seq_id -> key of each of its full blocks
+        self._tails: dict[int, tuple[int, ...]] = {}  # seq_id -> tokens in its partial block
+        self._tokens: dict[bytes, tuple[int, ...]] = {}  # a keyed block's tokens, by its key
+        self._children: dict[bytes | None, set[bytes]] = {}  # keys of the blocks after a key
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found there
 
@@ -101,10 +107,13 @@ class KVCache:
         return None
 
     def free(self, seq_id: int) -> None:
-        """Let go of all of a sequence's blocks (no-op for unknown ids)."""
+        """Let go of all of a sequence's blocks (no-op for unknown ids). A partly filled last
+        block that nobody else holds stays cached, keyed by the tokens it holds."""
+        self._key_tail(seq_id)
         blocks = self._tables.pop(seq_id, None)
         self._lens.pop(seq_id, None)
         self._keys.pop(seq_id, None)
+        self._tails.pop(seq_id, None)
         if blocks:  # last blocks first: they go out of the cache before the ones they extend
             self.allocator.free(reversed(blocks))
 
@@ -118,6 +127,7 @@ class KVCache:
         del table[keep:]
         self._lens[seq_id] = length
         del self._keys.setdefault(seq_id, [])[length // self.block_size :]
+        self._tails.pop(seq_id, None)  # known again at the next register_full_blocks
 
     def fork(self, src: int, dst: int) -> None:
         """Give new sequence dst src's cached tokens: it shares src's blocks (copied on write)."""
@@ -129,12 +139,15 @@ class KVCache:
         self._tables[dst] = list(table)
         self._lens[dst] = self._lens.get(src, 0)
         self._keys[dst] = list(self._keys.get(src, []))
+        if src in self._tails:
+            self._tails[dst] = self._tails[src]
 
     def reuse_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Give a sequence with no blocks the cached blocks that match its tokens' prefix.
+        """Give a sequence with no blocks the cached blocks that match its tokens' prefix: whole
+        blocks, then a copy of the keyed block after them that matches the most tokens.
 
-        Returns how many tokens are now cached for it: a multiple of the block size, and always
-        fewer than len(token_ids), so at least one token is left to compute (it gives the logits).
+        Returns how many tokens are now cached for it, always fewer than len(token_ids), so at
+        least one token is left to compute (it gives the logits).
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
@@ -152,10 +165,85 @@ class KVCache:
             blocks.append(block)
         for block in blocks:
             self.allocator.hold(block)
+        start = len(blocks) * bs
+        rest = token_ids[start : min(start + bs, len(token_ids) - 1)]
+        partial = self._partial_match(keys[-1] if keys else None, rest)
+        if partial is not None:
+            blocks.append(partial[0])
         self._tables[seq_id] = blocks
-        self._lens[seq_id] = len(blocks) * bs
+        self._lens[seq_id] = start + (partial[1] if partial else 0)
         self._keys[seq_id] = keys
-        return len(blocks) * bs
+        return self._lens[seq_id]
+
+    def _partial_match(self, parent: bytes | None, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """A copy of the keyed block after `parent` whose tokens start most like `tokens`, and
+        how many of them match; None when none matches a token or no block is free for the copy."""
+        best, matched = None, 0
+        for key in list(self._children.get(parent, ())):
+            block = self.allocator.lookup(key)
+            if block is None:  # evicted since
+                self._forget(parent, key)
+                continue
+            n = 0
+            for mine, theirs in zip(tokens, self._tokens[key]):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > matched:
+                best, matched = block, n
+        if best is None:
+            return None
+        self.allocator.hold(best)  # so allocating the copy cannot evict it
+        try:
+            if self.allocator.num_free < 1:
+                return None
+            (copy,) = self.allocator.allocate(1)
+            self.k[:, copy] = self.k[:, best]
+            self.v[:, copy] = self.v[:, best]
+        finally:
+            self.allocator.free([best])
+        return copy, matched
+
+    def _remember(self, parent: bytes | None, key: bytes, tokens: Sequence[int]) -> None:
+        """Index a keyed block's tokens under its parent's key (for `_partial_match`)."""
+        if key in self._tokens:
+            return
+        self._tokens[key] = tuple(tokens)
+        self._children.setdefault(parent, set()).add(key)
+        if len(self._tokens) > 2 * self.num_blocks:  # drop what eviction left behind
+            for stale in [k for k in self._tokens if self.allocator.lookup(k) is None]:
+                del self._tokens[stale]
+            for p, children in list(self._children.items()):
+                children.intersection_update(self._tokens)
+                if not children:
+                    del self._children[p]
+
+    def _forget(self, parent: bytes | None, key: bytes) -> None:
+        self._tokens.pop(key, None)
+        children = self._children.get(parent)
+        if children is not None:
+            children.discard(key)
+            if not children:
+                del self._children[parent]
+
+    def _key_tail(self, seq_id: int) -> None:
+        """Key a sequence's partly filled last block by its tokens, if it holds it alone and
+        every token in it was computed by a step that succeeded (`register_full_blocks`)."""
+        tail, keys = self._tails.get(seq_id), self._keys.get(seq_id, [])
+        table, length = self._tables.get(seq_id, []), self.seq_len(seq_id)
+        if (
+            not tail
+            or len(keys) * self.block_size + len(tail) != length
+            or len(table) != len(keys) + 1
+        ):
+            return
+        if self.allocator.ref(table[-1]) != 1:
+            return
+        parent = keys[-1] if keys else None
+        key = self._block_key(parent, tail, partial=True)
+        self.allocator.set_key(table[-1], key)
+        if self.allocator.lookup(key) == table[-1]:
+            self._remember(parent, key, tail)
 
     def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
         """Count an admitted prompt's lookup in the prefix cache (for /metrics)."""
@@ -172,17 +260,20 @@ class KVCache:
         bs = self.block_size
         known = min(self.seq_len(seq_id), len(token_ids))  # a finished sequence may know fewer
         for i in range(len(keys), known // bs):
-            keys.append(
-                self._block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
-            )
+            parent = keys[-1] if keys else None
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            keys.append(self._block_key(parent, tokens))
             self.allocator.set_key(table[i], keys[-1])
+            self._remember(parent, keys[-1], tokens)
+        self._tails[seq_id] = tuple(token_ids[len(keys) * bs : known])
 
     @staticmethod
-    def _block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    def _block_key(parent: bytes | None, tokens: Sequence[int], partial: bool = False) -> bytes:
         """A block's key: a digest of its tokens and of its parent block's key, so of every token
         before it too. A cryptographic digest, so no prompt can be built to collide with another's
-        cached blocks (Python's 64-bit hash() could be)."""
-        digest = hashlib.blake2b(parent or b"", digest_size=16)
+        cached blocks (Python's 64-bit hash() could be); partly filled blocks get keys of their
+        own kind."""
+        digest = hashlib.blake2b(parent or b"", digest_size=16, person=b"tail" if partial else b"")
         digest.update(array("q", tokens).tobytes())
         return digest.digest()
 

@@ -59,11 +59,83 @@ def test_a_prompt_reuses_the_longest_run_of_matching_full_blocks():
     # the same first block only; then the same two blocks; then the whole prompt again
     assert cache.reuse_prefix(1, first[:4] + [1, 2, 3, 4, 5]) == 4
     assert cache.reuse_prefix(2, first[:8] + [9]) == 8
-    assert cache.reuse_prefix(3, first) == 8  # the partial block is never shared
-    assert cache.reuse_prefix(4, first[:8]) == 4  # at least one token is left to compute
+    assert cache.reuse_prefix(3, first) == 8  # a live sequence's partial block is not keyed
+    # the second block matches in full, but one token is left to compute: 3 of its 4 tokens,
+    # from a copy of the block (the sequence writes its own token after them)
+    assert cache.reuse_prefix(4, first[:8]) == 7
+    assert cache.block_table(4)[0] == table[0] and cache.block_table(4)[1] not in table
+    assert torch.equal(cache.k[:, cache.block_table(4)[1]], cache.k[:, table[1]])
     assert cache.reuse_prefix(5, [7] + first[1:]) == 0  # a different first token: no match
     assert cache.block_table(2) == table[:2]
     assert cache.allocator.ref(table[0]) == 5 and cache.allocator.ref(table[1]) == 3
+    cache.audit()
+
+
+def _filled(cache: KVCache, seq: int, tokens: list[int]) -> list[int]:
+    """Prefill `tokens` for `seq` (random keys and values) and register its blocks."""
+    cache.prepare([(seq, len(tokens))])
+    for block in cache.block_table(seq):
+        cache.k[:, block] = torch.randn_like(cache.k[:, block])
+    cache.register_full_blocks(seq, tokens)
+    return cache.block_table(seq)
+
+
+def test_a_released_partial_block_is_reused_token_by_token_from_a_copy():
+    cache = _cache(16)
+    first = list(range(100, 111))  # two full blocks, then 108 109 110 in the third
+    table = _filled(cache, 0, first)
+    cache.free(0)  # the partial block stays cached, keyed by its three tokens
+    assert cache.allocator.num_cached == 3
+    # the next turn: everything, then tokens of its own
+    assert cache.reuse_prefix(1, first + [5, 6]) == 11
+    copy = cache.block_table(1)[2]
+    assert cache.block_table(1)[:2] == table[:2] and copy != table[2]
+    assert torch.equal(cache.k[:, copy], cache.k[:, table[2]])
+    # a prompt that leaves the old one inside the partial block takes what matches
+    assert cache.reuse_prefix(2, first[:9] + [7, 7]) == 9
+    # and one that leaves it inside a full block takes that block's matching start
+    assert cache.reuse_prefix(3, first[:6] + [7, 7]) == 6
+    cache.audit()
+    # the copies are the new sequences' own: writing there leaves the cached block as it was
+    before = cache.k[:, table[2]].clone()
+    cache.prepare([(1, 2)])
+    assert torch.equal(cache.k[:, table[2]], before)
+    assert cache.allocator.lookup(cache._keys[1][-1]) == table[1]
+    cache.audit()
+
+
+def test_a_partial_block_is_keyed_only_when_its_last_holder_leaves_after_a_good_step():
+    cache = _cache(16)
+    first = list(range(100, 110))  # two full blocks and 108 109
+    _filled(cache, 0, first)
+    cache.fork(0, 1)  # a second completion holds the partial block too
+    cache.free(0)
+    assert cache.reuse_prefix(2, first + [1]) == 8  # still held by 1: not keyed
+    cache.free(2)
+    cache.free(1)
+    assert cache.reuse_prefix(3, first + [1]) == 10  # its last holder left: keyed
+    # a step that never registered (it failed): its tokens are not trusted
+    cache.prepare([(3, 1)])
+    cache.free(3)
+    assert cache.reuse_prefix(4, first + [1, 2]) == 10
+    cache.audit()
+
+
+def test_partial_reuse_gives_the_logits_a_full_prefill_gives():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=97)).eval()
+    cache = model.make_cache(num_blocks=16, block_size=4)
+    prompt = torch.randint(0, 97, (23,))  # five full blocks and three tokens
+    turn = torch.cat([prompt[:22], torch.tensor([5, 6])])  # leaves it at its 23rd token
+    with torch.no_grad():
+        model.forward_cached(prompt, cache, cache.prepare([(0, 23)]))
+        cache.register_full_blocks(0, prompt.tolist())
+        cache.free(0)
+        full = model.forward_cached(turn, cache, cache.prepare([(1, 24)]))  # (1, V)
+        hit = cache.reuse_prefix(2, turn.tolist())
+        assert hit == 22
+        rest = model.forward_cached(turn[hit:], cache, cache.prepare([(2, 24 - hit)]))
+    torch.testing.assert_close(rest, full, atol=1e-5, rtol=1e-5)
     cache.audit()
 
 

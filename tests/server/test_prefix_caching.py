@@ -81,9 +81,11 @@ def test_greedy_tokens_and_logprobs_match_for_0_1_several_and_all_shared_blocks(
     (off, _), (on, engine) = _both(model, requests, waves)
     _same(off, on)
     cached = {rid: on[(rid, 0)]["cached"] for rid in requests}
-    assert cached == {"base": 0, "none": 0, "one": BLOCK, "several": 3 * BLOCK, "all": 5 * BLOCK}
+    # "all": its 5 full blocks, then 2 of the 3 tokens after them (one is left to compute) from
+    # a copy of the base's sixth block, which holds those 3 tokens and a generated one
+    assert cached == {"base": 0, "none": 0, "one": BLOCK, "several": 3 * BLOCK, "all": 22}
     assert all(off[(rid, 0)]["cached"] == 0 for rid in requests)
-    assert engine.cache.prefix_hit_tokens == 9 * BLOCK
+    assert engine.cache.prefix_hit_tokens == 9 * BLOCK + 2
     assert engine.kv_usage == 0  # cached-but-free blocks are not in use
 
 
@@ -96,7 +98,23 @@ def test_n_completions_share_the_prompt_and_match(model):
     requests = {"fork": (prompt, params), "again": (prompt, params)}
     (off, _), (on, engine) = _both(model, requests, [["fork"], ["again"]])
     _same(off, on)
-    assert [on[("again", i)]["cached"] for i in range(3)] == [5 * BLOCK] * 3
+    assert [on[("again", i)]["cached"] for i in range(3)] == [5 * BLOCK + 2] * 3
+
+
+def test_a_next_turn_reuses_the_last_turn_to_the_token_and_matches(model):
+    _, requests = _prompts(5)
+    prompt, params = requests["base"]
+    engine = Engine(model, get_tokenizer(), EngineConfig(block_size=BLOCK))
+    answer = _run(engine, {"base": (prompt, params)}, [["base"]])[("base", 0)]["tokens"]
+    # the next turn resends the conversation: prompt, answer (all but its last token was
+    # computed), then new tokens; it ends inside a block, so whole blocks alone stop short
+    history = prompt + answer
+    follow = {"base": (prompt, params), "next": (history + [7, 8, 9], params)}
+    (off, _), (on, engine) = _both(model, follow, [["base"], ["next"]])
+    _same(off, on)
+    computed = len(prompt) + len(answer) - 1  # the KV the first turn left behind
+    assert computed % BLOCK != 0
+    assert on[("next", 0)]["cached"] == computed > computed // BLOCK * BLOCK
 
 
 def test_preemption_and_eviction_mid_run_keep_outputs_identical(model):
