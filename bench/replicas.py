@@ -2,6 +2,7 @@
 `python -m server`, on the same model and load.
 
     python bench/replicas.py [--model PATH] [--max-tokens 64] [--concurrency 16] [--rounds 3]
+                             [--stream-interval 4]
 
 Needs the `ray` extra. Without --model a randomly initialised GPT-2 124M is saved to a temporary
 directory. Three servers run side by side: `python -m server` (the baseline, using every core),
@@ -11,6 +12,7 @@ Each round sends the same streaming load (--concurrency clients, --requests comp
 --max-tokens tokens) to each of the three in turn, and each keeps its best round, so a slow spell
 on a shared machine does not land on one side only. Prints tok/s and TTFT p50 for each, then Ray's
 overhead (1 replica under Ray / plain; goal: >= 0.90) and the 2-replica scaling (2 / 1).
+--stream-interval is given to all three servers alike (tokens per SSE chunk after the first).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ async def run_load(url: str, concurrency: int, requests: int, max_tokens: int) -
     return load
 
 
-def start_ray(path: Path, port: int, cores: int, kv_cache_gb: float) -> None:
+def start_ray(path: Path, port: int, cores: int, kv_cache_gb: float, stream_interval: int) -> None:
     """A local Ray with `/one` (1 replica, every core) and `/two` (2 replicas, half each)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray's token authentication with a token of this run's (none is written to ~/.ray)
@@ -113,8 +115,9 @@ def start_ray(path: Path, port: int, cores: int, kv_cache_gb: float) -> None:
              _node_ip_address="127.0.0.1")  # fmt: skip
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = Settings(
-        model=str(path), max_num_seqs=32, kv_cache_gb=kv_cache_gb, log_level="warning"
-    )
+        model=str(path), max_num_seqs=32, kv_cache_gb=kv_cache_gb, log_level="warning",
+        stream_interval=stream_interval,
+    )  # fmt: skip
     for name, replicas in (("one", 1), ("two", 2)):
         options = ScaleOptions(num_replicas=replicas, num_cpus=cores / replicas)
         serve.run(deployment(settings, options), name=name, route_prefix=f"/{name}")
@@ -130,6 +133,10 @@ def main() -> None:
     p.add_argument(
         "--kv-cache-gb", type=float, default=0.25, help="each server's KV cache (4 are loaded)"
     )
+    p.add_argument(
+        "--stream-interval", type=int, default=4,
+        help="every server's, alike (default: the Ray deployment's; 1 streams every token)",
+    )  # fmt: skip
     args = p.parse_args()
     cores = os.cpu_count() or 1
     tmp = None
@@ -141,9 +148,10 @@ def main() -> None:
         save_checkpoint(GPT(ModelConfig()), path)
     load_before = os.getloadavg()[0]
     plain_port, ray_port = free_port(), free_port()
-    proc = start_server(path, plain_port, "--kv-cache-gb", str(args.kv_cache_gb))
+    proc = start_server(path, plain_port, "--kv-cache-gb", str(args.kv_cache_gb),
+                        "--stream-interval", str(args.stream_interval))  # fmt: skip
     try:
-        start_ray(path, ray_port, cores, args.kv_cache_gb)
+        start_ray(path, ray_port, cores, args.kv_cache_gb, args.stream_interval)
         urls = {
             "python -m server": f"http://127.0.0.1:{plain_port}/",
             "Ray Serve, 1 replica": f"http://127.0.0.1:{ray_port}/one/",
@@ -182,7 +190,8 @@ def main() -> None:
     model = path.name if args.model else "GPT-2 124M (random)"
     print(f"\nmodel {model}, {cores} cores, {args.concurrency} streaming clients, "
           f"{args.requests} x {args.max_tokens} tokens per round, best of {args.rounds} rounds, "
-          f"KV cache {args.kv_cache_gb:g} GiB per server")  # fmt: skip
+          f"KV cache {args.kv_cache_gb:g} GiB per server, stream interval "
+          f"{args.stream_interval}")  # fmt: skip
     print(f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'server':<24} {'replicas x threads':>18} {'tok/s':>8} {'TTFT p50':>9} {'errors':>6}")
     for name, load in best.items():

@@ -57,6 +57,7 @@ class Job:
     inputs: EngineInputs
     tracker: Tracker
     timeout: float
+    stream_interval: int = 1  # a choice's tokens per chunk after its first (--stream-interval)
 
     @property
     def prompt_tokens(self) -> int:
@@ -157,7 +158,7 @@ async def _answer(
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     job = Job(
         kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, aeng, inputs,
-        tracker, state.settings.request_timeout,
+        tracker, state.settings.request_timeout, state.settings.stream_interval,
     )  # fmt: skip
     if inputs.stream:
         return StreamingResponse(_stream(job), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -265,12 +266,23 @@ async def _stream(job: Job) -> AsyncIterator[bytes]:
             async with aclosing(
                 merged_events(job.aeng, job.id, job.inputs.prompts, job.inputs.params, job.timeout)
             ) as events:
+                held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
+                sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
                 async for index, event in events:
                     choice, text_start, lp_start = job.apply(index, event, prompt_lps)
                     if choice.error is not None:
                         raise _engine_error(choice.error)
+                    text_start, lp_start = held.pop(index, (text_start, lp_start))
+                    if (
+                        event.finish_reason is None
+                        and index in sent
+                        and choice.num_generated - sent[index] < job.stream_interval
+                    ):
+                        held[index] = (text_start, lp_start)  # --stream-interval: not yet
+                        continue
                     piece = _delta(job, choice, event, text_start, lp_start)
                     if piece is not None:
+                        sent[index] = choice.num_generated
                         yield sse(job.chunk([piece]))
         except RequestTimeout:
             raise _timeout_error(job.timeout) from None

@@ -39,6 +39,9 @@ from server.state import ModelLoadError, preflight
 APP_NAME = "gptserve"
 _ALIASES = {"api_key": "api_keys", "replicas": "num_replicas"}
 _SWITCH_TRUE = ("1", "true", "yes", "on")
+# where Ray's defaults differ from `python -m server`'s: each SSE chunk crosses the proxy as a Ray
+# object, so a chunk carries 4 tokens (after the first); `stream_interval=1` streams every token
+RAY_DEFAULTS = ("--stream-interval", "4")
 _SCALE_HELP = {
     "num_replicas": "a fixed number of replicas (default: autoscale between the two below)",
     "min_replicas": "fewest replicas when autoscaling",
@@ -73,7 +76,7 @@ def parse_app_args(args: Mapping[str, Any]) -> tuple[Settings, ScaleOptions]:
     `serve run` passes them). Raises SettingsError for an unknown key or a bad value."""
     setting_flags = {f.name: f for f in fields(Settings)}
     scale_types = typing.get_type_hints(ScaleOptions)
-    argv: list[str] = []
+    argv: list[str] = list(RAY_DEFAULTS)  # a later value for the same flag wins
     scale: dict[str, Any] = {}
     for raw_key, value in args.items():
         key = raw_key.replace("-", "_")
@@ -149,7 +152,7 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Settings, ScaleOptions, st
     scale, rest = scale_parser.parse_known_args(argv)
     values = vars(scale)
     address = values.pop("address")
-    settings = settings_from_args(rest)
+    settings = settings_from_args([*RAY_DEFAULTS, *rest])
     if settings.model is not None:
         settings.model = str(Path(settings.model).expanduser().resolve())
     return settings, ScaleOptions(**values).validate(), address

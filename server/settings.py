@@ -79,6 +79,11 @@ class Settings:
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )
     shutdown_grace: float = flag(30.0, "seconds in-flight requests get after SIGTERM", low=0)
+    stream_interval: int = flag(
+        1, "a streamed completion's tokens per SSE chunk after its first token (which is sent "
+        "at once): more means fewer, larger chunks and less work per token (server.ray_app "
+        "defaults to 4: there each chunk crosses Ray Serve's proxy)", low=1,
+    )  # fmt: skip
     # engine
     max_num_seqs: int = flag(32, "sequences decoding together", group="engine", low=1)
     max_batch_tokens: int = flag(

@@ -175,3 +175,31 @@ def test_health_metrics_tokenize(server: LiveServer, headers: dict) -> None:
         'gptserve_requests_total{endpoint="completion",finish_reason="length",status="200"}',
     ):  # fmt: skip
         assert name in text, name
+
+
+def _stream_chunks(server: LiveServer, headers: dict, body: dict) -> list[dict]:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        payloads = sse_events(r.read().decode().split("\n")[:-1])
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def test_stream_interval_sends_the_first_token_then_every_nth(
+    server: LiveServer, headers: dict, monkeypatch
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 8, "ignore_eos": True,
+            "temperature": 0, "logprobs": 1, "n": 2}  # fmt: skip
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=30)
+    monkeypatch.setattr(server.state.settings, "stream_interval", 3)
+    chunks = _stream_chunks(server, headers, {**body, "stream": True})
+    for index, expected in enumerate(whole.json()["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        # 8 tokens: the first at once, then 3, 3 and the last 1 with the finish reason
+        assert [len(c["logprobs"]["tokens"]) for c in mine] == [1, 3, 3, 1]
+        assert [c["finish_reason"] for c in mine] == [None, None, None, "length"]
+        assert "".join(c["text"] for c in mine) == expected["text"]
+        tokens = [t for c in mine for t in c["logprobs"]["tokens"]]
+        assert tokens == expected["logprobs"]["tokens"]

@@ -198,6 +198,9 @@ def test_app_args_become_settings_and_scale_options(tmp_path: Path) -> None:
     deploy = options.deployment_options(settings)
     assert deploy["num_replicas"] == 3 and "autoscaling_config" not in deploy
     assert deploy["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    # under Ray a chunk carries 4 tokens unless the arguments say otherwise
+    assert settings.stream_interval == 4
+    assert parse_app_args({"stream_interval": "1"})[0].stream_interval == 1
 
     _, scaled = parse_app_args({"min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 8})
     auto = scaled.deployment_options(Settings())["autoscaling_config"]
@@ -213,6 +216,8 @@ def test_app_args_become_settings_and_scale_options(tmp_path: Path) -> None:
 def test_cli_flags_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     settings, options, address = parse_cli(["--replicas", "2", "--max-num-seqs", "4"])
     assert (options.num_replicas, settings.max_num_seqs, address) == (2, 4, None)
+    assert settings.stream_interval == 4
+    assert parse_cli(["--stream-interval", "1"])[0].stream_interval == 1
     with pytest.raises(SystemExit) as exit_help:
         parse_cli(["--help"])
     assert exit_help.value.code == 0
