@@ -18,6 +18,8 @@
    dequantized product it switches to from `MANY_ROWS` rows on; and whole decode steps of the
    Engine with 1 and 32 sequences in the three formats. The last column is the bandwidth the
    "after" side reads the weights at.
+5. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
+   7 (a chat's second-turn prefill) sequences share, read once against a copy per holder.
 
 The two sides of a row run in alternation and each keeps its best, so the machine's slow spells
 (memory bandwidth here drifts by 20 %) fall on both.
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
+import kernels.prefill_cpu as prefill_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from model.cache import KVCache  # noqa: E402
@@ -173,6 +176,34 @@ def shared_prefix_rows(batch: int = 8, shared: int = 64, private: int = 20) -> l
     times = alternate(lambda: step(k_spread, v_spread, spread),
                       lambda: step(k_shared, v_shared, tables))  # fmt: skip
     return [(label, "a copy per holder -> in place", *times)]
+
+
+def prefill_rows(shared: int = 64) -> list[Row]:
+    """Prefill attention of a chat's second turn (as `bench/prefix.py` sees it): 7 sequences
+    continue one cached prefix of `shared` blocks with ~70 tokens of their own history each and
+    19-58 new tokens, over 12 layers: each sequence's keys gathered for one SDPA call
+    (`kernels.sdpa_paged`) against the prefix read once for all of them (`kernels.prefill_cpu`)."""
+    torch.manual_seed(0)
+    new = [19, 26, 36, 54, 55, 58, 54]
+    lens = [shared * 16 + 67 + 2 * i + n for i, n in enumerate(new)]
+    own = [-(-n // 16) - shared for n in lens]
+    first = [shared + sum(own[:i]) for i in range(len(new))]
+    tables = [list(range(shared)) + list(range(f, f + o)) for f, o in zip(first, own)]
+    k, v = (torch.randn(12, first[-1] + own[-1], 12, 16, 64).transpose(2, 3) for _ in range(2))
+    q = torch.randn(sum(new), 12, 64)
+    step = AttentionMetadata.build(tables, lens, new, block_size=16)
+
+    def attend(cascade: bool) -> None:
+        meta = dataclasses.replace(step)  # a fresh step, no plan yet
+        for layer in range(12):
+            if cascade:
+                prefill_cpu.prefill_attention_cpu(q, k[layer], v[layer], meta)
+            else:
+                sdpa_paged.paged_attention_sdpa(q, k[layer], v[layer], meta)
+
+    label = f"prefill attention, 7 seqs sharing {shared * 16}"
+    times = alternate(lambda: attend(False), lambda: attend(True))
+    return [(label, "gather + SDPA -> cascade", *times)]
 
 
 def decode_step_ms(retain: bool) -> float:
@@ -343,6 +374,7 @@ PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
     "shared": shared_prefix_rows,
+    "prefill": prefill_rows,
     "allocator": lambda: [allocator_row()],
     "precision": lambda: precision_rows() + read_rows(),
     "steps": step_rows,
@@ -368,6 +400,7 @@ def main() -> None:
     print(
         "\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
         "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu; "
+        "cascade: kernels.prefill_cpu; "
         "fp32/bf16: the Engine's layouts; int8: model.quantize.Int8Linear"
     )
 
