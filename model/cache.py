@@ -62,7 +62,9 @@ class KVCache:
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> key of each of its full blocks
         self._tails: dict[int, tuple[int, ...]] = {}  # seq_id -> tokens in its partial block
         self._tokens: dict[bytes, tuple[int, ...]] = {}  # a keyed block's tokens, by its key
-        self._children: dict[bytes | None, set[bytes]] = {}  # keys of the blocks after a key
+        # keys of the keyed blocks after a parent key, by their first token (insertion order, so
+        # the choice among equal matches does not depend on the process's hash seed)
+        self._children: dict[tuple[bytes | None, int], dict[bytes, None]] = {}
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found there
 
@@ -178,11 +180,14 @@ class KVCache:
     def _partial_match(self, parent: bytes | None, tokens: Sequence[int]) -> tuple[int, int] | None:
         """A copy of the keyed block after `parent` whose tokens start most like `tokens`, and
         how many of them match; None when none matches a token or no block is free for the copy."""
+        if not tokens:
+            return None
         best, matched = None, 0
-        for key in list(self._children.get(parent, ())):
+        where = (parent, tokens[0])
+        for key in list(self._children.get(where, ())):
             block = self.allocator.lookup(key)
             if block is None:  # evicted since
-                self._forget(parent, key)
+                self._forget(where, key)
                 continue
             n = 0
             for mine, theirs in zip(tokens, self._tokens[key]):
@@ -206,25 +211,26 @@ class KVCache:
 
     def _remember(self, parent: bytes | None, key: bytes, tokens: Sequence[int]) -> None:
         """Index a keyed block's tokens under its parent's key (for `_partial_match`)."""
-        if key in self._tokens:
+        if key in self._tokens or not tokens:
             return
         self._tokens[key] = tuple(tokens)
-        self._children.setdefault(parent, set()).add(key)
+        self._children.setdefault((parent, tokens[0]), {})[key] = None
         if len(self._tokens) > 2 * self.num_blocks:  # drop what eviction left behind
             for stale in [k for k in self._tokens if self.allocator.lookup(k) is None]:
                 del self._tokens[stale]
-            for p, children in list(self._children.items()):
-                children.intersection_update(self._tokens)
+            for where, children in list(self._children.items()):
+                for stale in [k for k in children if k not in self._tokens]:
+                    del children[stale]
                 if not children:
-                    del self._children[p]
+                    del self._children[where]
 
-    def _forget(self, parent: bytes | None, key: bytes) -> None:
+    def _forget(self, where: tuple[bytes | None, int], key: bytes) -> None:
         self._tokens.pop(key, None)
-        children = self._children.get(parent)
+        children = self._children.get(where)
         if children is not None:
-            children.discard(key)
+            children.pop(key, None)
             if not children:
-                del self._children[parent]
+                del self._children[where]
 
     def _key_tail(self, seq_id: int) -> None:
         """Key a sequence's partly filled last block by its tokens, if it holds it alone and
