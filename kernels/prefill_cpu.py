@@ -9,10 +9,11 @@ scored against them in one matrix product per head; each sequence's own keys (th
 context, causally masked) are scored separately, and the two parts are merged by their rows'
 log-sum-exps, as a split softmax is (FlashInfer's "cascade" attention does this on GPUs).
 
-A group is the sequences whose tables start with the same block; its shared prefix is their
+A group is made of sequences whose tables start with the same block; its shared prefix is their
 common leading blocks, cut to the full blocks every member has cached before its first new
-token, so no causal mask or stale slot is ever needed there. Sequences in no group attend to
-their whole context in one SDPA call. `shares_prefix` says whether a step has a group at all;
+token, so no causal mask or stale slot is ever needed there (a sequence that agrees with the
+others for only a few blocks is left out of the group rather than cutting it short). Sequences
+in no group attend to their whole context in one SDPA call. `shares_prefix` says whether a step has a group at all;
 without one the caller keeps the batched gather + SDPA path (`kernels.sdpa_paged`).
 
 Pools are head-major, as `KVCache` stores them (`kernels.paged_decode_cpu.is_head_major`). The
@@ -71,6 +72,22 @@ def _common_blocks(tables: list[list[int]]) -> int:
     return n
 
 
+def _choose_members(
+    bucket: list[int], tables: list[list[int]], cached: list[int]
+) -> tuple[list[int], int]:
+    """Of sequences whose tables start alike, the members of their group and how many blocks they
+    share: the depth that saves the most block reads ((members - 1) x depth), each sequence's
+    depth being its blocks in common with the one with the most cached, at most its own cached
+    ones. A sequence that agrees with the others only briefly is left out rather than cutting
+    the shared part short for all."""
+    ref = tables[max(bucket, key=lambda i: cached[i])]
+    depth = {i: min(cached[i], _common_blocks([ref, tables[i]])) for i in bucket}
+    best = max(
+        set(depth.values()), key=lambda d: ((sum(v >= d for v in depth.values()) - 1) * d, d)
+    )
+    return [i for i in bucket if depth[i] >= best], best
+
+
 def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
     device = meta.block_tables.device
     tables = meta.block_tables.tolist()
@@ -83,10 +100,10 @@ def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
             by_first.setdefault(table[0], []).append(i)
     groups: list[_Group] = []
     member: dict[int, tuple[int, int]] = {}  # sequence -> (group, shared blocks)
-    for seqs in by_first.values():
+    for bucket in by_first.values():
+        seqs, shared = _choose_members(bucket, tables, cached)
         if len(seqs) < 2:
             continue
-        shared = min(_common_blocks([tables[i] for i in seqs]), *(cached[i] for i in seqs))
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
         groups.append(
             _Group(torch.tensor(tables[seqs[0]][:shared], device=device), rows.to(device))

@@ -78,6 +78,19 @@ def test_groups_cover_what_the_members_have_cached_and_nothing_else():
     assert [s.blocks.tolist() for s in plan.seqs] == [[2], [3], [6, 7], [8], [9, 10]]
 
 
+def test_a_sequence_that_agrees_only_briefly_is_left_out_of_the_group():
+    # three sequences share blocks 0-3; a fourth shares only block 0 (say, a different system
+    # prompt that starts alike): with it the group could share one block, without it four
+    tables = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 5], [0, 1, 2, 3, 6], [0, 7, 8, 9, 10]]
+    q, k, v, meta = _batch(tables, [19, 18, 20, 19], [2, 1, 3, 2], 12)
+    assert shares_prefix(meta, BS)
+    plan = meta.plans["cpu_prefill"]
+    assert [g.blocks.tolist() for g in plan.groups] == [[0, 1, 2, 3]]
+    assert [s.group for s in plan.seqs] == [0, 0, 0, None]
+    out = prefill_attention_cpu(q, k, v, meta)
+    assert rel_error(out, paged_attention_reference(q, k, v, meta)) < TOLERANCE[torch.float32]
+
+
 def test_long_runs_of_queries_are_scored_in_slices(monkeypatch):
     monkeypatch.setattr(prefill_cpu, "SCORE_BYTES", 64)  # a few rows at a time
     q, k, v, meta = _batch(*CASES["one group"])
