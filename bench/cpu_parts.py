@@ -19,7 +19,8 @@
    Engine with 1 and 32 sequences in the three formats. The last column is the bandwidth the
    "after" side reads the weights at.
 5. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
-   7 (a chat's second-turn prefill) sequences share, read once against a copy per holder.
+   7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
+   the prefill, also the whole model step and the score product (MKL against oneDNN).
 
 The two sides of a row run in alternation and each keeps its best, so the machine's slow spells
 (memory bandwidth here drifts by 20 %) fall on both.
@@ -43,10 +44,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernels  # noqa: E402
+import kernels.cpu_products as cpu_products  # noqa: E402
 import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.prefill_cpu as prefill_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
 from model.cache import KVCache  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
 from model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
@@ -203,7 +207,53 @@ def prefill_rows(shared: int = 64) -> list[Row]:
 
     label = f"prefill attention, 7 seqs sharing {shared * 16}"
     times = alternate(lambda: attend(False), lambda: attend(True))
-    return [(label, "gather + SDPA -> cascade", *times)]
+    return [(label, "gather + SDPA -> cascade", *times), prefill_step_row(new, lens, shared),
+            score_product_row(sum(new), shared * 16)]  # fmt: skip
+
+
+def prefill_step_row(new: list[int], lens: list[int], shared: int) -> Row:
+    """The same step through the whole model (GPT-2 124M, CPU wing): the KV cache holds a
+    shared prefix and each sequence's history; the step's new tokens are taken back after each
+    run. The dispatch's cascade check is switched off for the "before" side."""
+    torch.manual_seed(0)
+    model = optimize_for_cpu(GPT(ModelConfig(block_size=2048)).eval())
+    cache = model.make_cache(shared + 16 * len(new), 16)
+
+    def forward(batch: list[tuple[int, int]]) -> None:
+        meta = cache.prepare(batch)
+        tokens = torch.randint(0, 50000, (meta.num_tokens,))
+        with torch.inference_mode():
+            model.forward_cached(tokens, cache, meta)
+
+    for _ in range(shared * 16 // 512):  # the prefix, then each sequence's history
+        forward([(0, 512)])
+    for i, (n, m) in enumerate(zip(lens, new), start=1):
+        cache.fork(0, i)
+        forward([(i, n - m - shared * 16)])
+
+    def step(cascade: bool) -> None:
+        check = kernels.shares_prefix
+        kernels.shares_prefix = check if cascade else lambda meta, bs: False
+        try:
+            forward([(i, m) for i, m in enumerate(new, start=1)])
+        finally:
+            kernels.shares_prefix = check
+        for i, (n, m) in enumerate(zip(lens, new), start=1):
+            cache.truncate(i, n - m)
+
+    return ("prefill step, GPT-2 124M", "gather + SDPA -> cascade", *alternate(
+        lambda: step(False), lambda: step(True)))  # fmt: skip
+
+
+def score_product_row(rows: int, keys: int) -> Row:
+    """One layer's shared score products, (rows, 64) x (64, keys) for 12 heads: PyTorch's
+    float32 matmul (MKL) against oneDNN's (`kernels.cpu_products.product_nt`); the last column
+    is the rate in GFLOP/s rather than GB/s."""
+    q, k = torch.randn(12, rows, 64), torch.randn(12, keys, 64)
+    times = alternate(lambda: torch.matmul(q, k.transpose(1, 2)),
+                      lambda: [cpu_products.product_nt(q[h], k[h]) for h in range(12)])  # fmt: skip
+    flop = 2 * 12 * rows * keys * 64
+    return (f"scores {rows} x {keys}, 12 heads", "matmul (MKL) -> oneDNN", *times, flop)
 
 
 def decode_step_ms(retain: bool) -> float:
@@ -400,7 +450,7 @@ def main() -> None:
     print(
         "\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
         "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu; "
-        "cascade: kernels.prefill_cpu; "
+        "cascade: kernels.prefill_cpu (the scores row's last column: GFLOP/s); "
         "fp32/bf16: the Engine's layouts; int8: model.quantize.Int8Linear"
     )
 

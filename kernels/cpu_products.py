@@ -1,8 +1,8 @@
 """Float32 matrix products on the CPU through oneDNN, where this build and CPU run them.
 
 PyTorch's float32 `matmul` on the CPU goes to MKL, which on the development box's AMD cores runs
-at about half the rate oneDNN reaches (200 against 350-400 GFLOP/s for a (302, 64) x (64, 1024)
-product of attention scores). `product_nt` multiplies through oneDNN's linear kernel, taking the
+at about half the rate oneDNN reaches (about 180 against 360 GFLOP/s for the (302, 64) x
+(64, 1024) score products of 12 heads; `python bench/cpu_parts.py --parts prefill`). `product_nt` multiplies through oneDNN's linear kernel, taking the
 second operand as a plain (row-major or strided) weight; `onednn_products()` says whether it can.
 """
 

@@ -13,8 +13,9 @@ A group is made of sequences whose tables start with the same block; its shared 
 common leading blocks, cut to the full blocks every member has cached before its first new
 token, so no causal mask or stale slot is ever needed there (a sequence that agrees with the
 others for only a few blocks is left out of the group rather than cutting it short). Sequences
-in no group attend to their whole context in one SDPA call. `shares_prefix` says whether a step has a group at all;
-without one the caller keeps the batched gather + SDPA path (`kernels.sdpa_paged`).
+in no group attend to their whole context in one SDPA call. `shares_prefix` says whether a step
+has a group at all; without one the caller keeps the batched gather + SDPA path
+(`kernels.sdpa_paged`), and nothing else is planned.
 
 Pools are head-major, as `KVCache` stores them (`kernels.paged_decode_cpu.is_head_major`). The
 arithmetic is float32 whatever the pools hold. Slots past a sequence's end in its last block may
@@ -101,6 +102,8 @@ def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
     groups: list[_Group] = []
     member: dict[int, tuple[int, int]] = {}  # sequence -> (group, shared blocks)
     for bucket in by_first.values():
+        if len(bucket) < 2:
+            continue
         seqs, shared = _choose_members(bucket, tables, cached)
         if len(seqs) < 2:
             continue
@@ -110,6 +113,8 @@ def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
         )
         for i in seqs:
             member[i] = (len(groups) - 1, shared)
+    if not groups:  # the step goes to gather + SDPA: nothing more to plan
+        return _Plan([], [])
     offsets: dict[int, int] = {}  # each group's rows filled so far
     parts = []
     for i, (n, q) in enumerate(zip(meta.seq_lens, meta.query_lens)):
