@@ -18,6 +18,7 @@ RUN pip install "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md train.py ./
 COPY model ./model
 COPY kernels ./kernels
+COPY engine ./engine
 COPY server ./server
 COPY training ./training
 RUN pip install . && rm -rf /app/build

@@ -11,7 +11,7 @@
    keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`), and
    those groups against head-major pools read in place (`kernels.paged_decode_cpu`).
 3. A decode step of the Engine with 32 sequences, in two fresh processes: glibc's default
-   allocator against the tuned one (model.cpu_memory), which parts 1 and 2 run with.
+   allocator against the tuned one (model.cpu.malloc_tuning), which parts 1 and 2 run with.
 4. Reduced precision (`--dtype bfloat16`, `--quantize int8`): the layer matrices and the head
    with 1, 8 and 32 rows, float32 as the Engine runs it against bfloat16 in the same layouts and
    against int8 (`model.quantize.Int8Linear`, bfloat16 inputs); int8's kernel against the
@@ -49,13 +49,13 @@ import kernels.cpu_products as cpu_products  # noqa: E402
 import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
 import kernels.prefill_cpu as prefill_cpu  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
-from model.cache import KVCache  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
+from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
 from model.cpu.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
-from model.cpu_memory import retain_freed_memory  # noqa: E402
 from model.quantize import Int8Linear, quantize  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
@@ -217,7 +217,7 @@ def prefill_step_row(new: list[int], lens: list[int], shared: int) -> Row:
     run. The dispatch's cascade check is switched off for the "before" side."""
     torch.manual_seed(0)
     model = optimize_for_cpu(GPT(ModelConfig(block_size=2048)).eval())
-    cache = model.make_cache(shared + 16 * len(new), 16)
+    cache = KVCache.for_model(model, shared + 16 * len(new), 16)
 
     def forward(batch: list[tuple[int, int]]) -> None:
         meta = cache.prepare(batch)
@@ -258,9 +258,9 @@ def score_product_row(rows: int, keys: int) -> Row:
 
 def decode_step_ms(retain: bool) -> float:
     """Median decode step with 32 sequences (after 20 warm-up steps), in this process."""
-    import server.engine as engine_module
+    import engine.engine as engine_module
+    from engine.sampler import SamplingParams
     from model import GPT, ModelConfig, get_tokenizer
-    from model.sampling import SamplingParams
 
     if retain:
         retain_freed_memory()
@@ -381,9 +381,9 @@ def read_rows() -> list[Row]:
 
 def step_rows() -> list[Row]:
     """Median decode step of the Engine with 1 and 32 sequences: fp32 -> bf16, fp32 -> int8."""
-    import server.engine as engine_module
+    import engine.engine as engine_module
+    from engine.sampler import SamplingParams
     from model import GPT, ModelConfig, get_tokenizer
-    from model.sampling import SamplingParams
 
     torch.manual_seed(0)
     state = GPT(ModelConfig()).state_dict()

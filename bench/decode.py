@@ -37,14 +37,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import server.engine as engine_module  # noqa: E402
+import engine.engine as engine_module  # noqa: E402
 from bench.decode_speculative import speculative_rows  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
 from model import GPT, get_tokenizer, load_checkpoint  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
-from model.cpu_memory import retain_freed_memory  # noqa: E402
+from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from model.quantize import QUANTIZATIONS, check_quantization, quantize, weight_bytes  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from server.engine import Engine, EngineConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -179,7 +179,7 @@ def serve(row: Row, checkpoint: str, device: str, num_blocks: int) -> Served:
     draft = None
     if row.draft is not None:
         draft = optimize_for_cpu(quantize(row.draft(checkpoint, device), row.quantize))
-    config = EngineConfig(max_num_seqs=32, block_size=16, num_blocks=num_blocks, **row.config)
+    config = EngineConfig(max_num_seqs=32, kv_block_size=16, num_blocks=num_blocks, **row.config)
     return Served(row, Engine(model, get_tokenizer(), config, draft_model=draft), size)
 
 

@@ -23,14 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.engine import Engine, EngineConfig
+from engine.sampler import SamplingParams
 from model import GPT, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.quantize import weight_bytes
-from model.sampling import SamplingParams
-from server.engine import Engine, EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "server" / "default_model"
+DEFAULT_MODEL = REPO / "model" / "default_model"
 CORPUS = REPO / "data" / "shakespeare.txt"
 NEW_TOKENS = 128
 

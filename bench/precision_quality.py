@@ -28,13 +28,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import GPT, ModelConfig, get_tokenizer, load_checkpoint  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from model import (  # noqa: E402
+    DEFAULT_MODEL_DIR,  # noqa: E402
+    GPT,
+    ModelConfig,
+    get_tokenizer,
+    load_checkpoint,
+)
 from model.cpu import optimize_for_cpu  # noqa: E402
-from model.cpu_memory import retain_freed_memory  # noqa: E402
+from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from model.quantize import quantize  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from server import DEFAULT_MODEL_DIR  # noqa: E402
-from server.engine import Engine, EngineConfig  # noqa: E402
 from training.data import split_tokens, tokenize_cached  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

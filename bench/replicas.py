@@ -105,8 +105,8 @@ def start_ray(path: Path, port: int, cores: int, kv_cache_gb: float, stream_inte
     import ray
     from ray import serve
 
-    from server.ray_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-    from server.ray_serve import ScaleOptions, deployment
+    from server.ray.deployment import ScaleOptions, deployment
+    from server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
     from server.settings import Settings
 
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)

@@ -29,11 +29,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
-from model.cpu_memory import retain_freed_memory  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from server.engine import Engine, EngineConfig  # noqa: E402
+from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 

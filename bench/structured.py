@@ -43,10 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
 
-import server.engine as engine_module  # noqa: E402
-from model import GPT, ModelConfig, get_tokenizer  # noqa: E402
-from model.cpu import optimize_for_cpu  # noqa: E402
-from model.grammar import (  # noqa: E402
+import engine.engine as engine_module  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.grammar import (  # noqa: E402
     POOL_THREADS,
     Constraint,
     allocate_bitmask,
@@ -56,8 +55,9 @@ from model.grammar import (  # noqa: E402
     fill_bitmask,
     grammar_vocab,
 )
-from model.sampling import SamplingParams  # noqa: E402
-from server.engine import Engine, EngineConfig  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from model import GPT, ModelConfig, get_tokenizer  # noqa: E402
+from model.cpu import optimize_for_cpu  # noqa: E402
 
 ORDER_SCHEMA = {
     "type": "object",
@@ -426,7 +426,7 @@ def engine_bench(args: argparse.Namespace) -> None:
     model = optimize_for_cpu(model)
     tok = get_tokenizer("gpt2")
     widths = [int(x) for x in args.streams.split(",")]
-    engine = Engine(model, tok, EngineConfig(max_num_seqs=max(widths), block_size=16))
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=max(widths), kv_block_size=16))
     constraint = compile_constraint("json", ORDERS_SCHEMA, tok, vocab_size=config.vocab_size)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, tok.vocab_size, (16,), generator=gen).tolist() for _ in range(64)]
@@ -514,7 +514,7 @@ def main() -> None:
         engine_bench(args)
         return
     tok = get_tokenizer("gpt2")
-    print(f"llguidance (model/grammar.py), GPT-2 vocabulary, pool of {POOL_THREADS} threads")
+    print(f"llguidance (engine/grammar.py), GPT-2 vocabulary, pool of {POOL_THREADS} threads")
     ours(tok, args.steps)
     if args.compare:
         print()

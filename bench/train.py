@@ -6,7 +6,7 @@
 Both sides train the same config (6 layers, 6 heads, width 384, block 256, batch 8, GPT-2 vocab)
 on the same random token batches with AdamW (lr 6e-4, weight decay 0.1, grad clip 1.0):
 - ours: training.step's LossModule(GPT) + make_optimizer + train_step, in a process set up as
-  train.py sets itself up (on a CPU: glibc keeps freed memory, model.cpu_memory);
+  train.py sets itself up (on a CPU: glibc keeps freed memory, model.cpu.malloc_tuning);
 - baseline: transformers.GPT2LMHeadModel(labels=...) + torch.optim.AdamW with its defaults, in a
   plain process;
 - on a CPU, also the baseline with the same allocator setting as ours, to show what that part of
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import GPT, ModelConfig  # noqa: E402
-from model.cpu_memory import retain_freed_memory  # noqa: E402
+from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from training.step import LossModule, make_optimizer, train_step  # noqa: E402
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # bf16 dense

@@ -1,6 +1,6 @@
 """One engine step's attention metadata: the packed batch as every paged-attention backend reads it.
 
-The KV cache builds one `AttentionMetadata` per step (`model.cache.KVCache.prepare`) and the model
+The KV cache builds one `AttentionMetadata` per step (`engine.kv_cache.KVCache.prepare`) and the model
 hands the same object to every layer's attention. A backend that derives something from the batch
 layout alone (which blocks to read, masks, splits) builds it on the first layer with `plan` and
 every later layer of the step reuses it; the plan dies with the step's metadata. Nothing is
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -132,3 +132,14 @@ class AttentionMetadata:
             seq_lens=list(context_lens),
             query_lens=list(query_lens),
         )
+
+
+class PagedKV(Protocol):
+    """What a model's cached forward needs of a KV cache: per-layer pools and a write."""
+
+    k: torch.Tensor  # (n_layer, num_blocks, block_size, n_kv_head, head_dim)
+    v: torch.Tensor
+
+    def write(
+        self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
+    ) -> None: ...

@@ -43,6 +43,11 @@ class ModelConfig:
         self.validate()
 
     @property
+    def context_length(self) -> int:
+        """The most tokens a sequence may hold (nanoGPT's and our checkpoints' `block_size`)."""
+        return self.block_size
+
+    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 

@@ -19,8 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import flash_attention, paged_attention
-from kernels.metadata import AttentionMetadata
-from model.cache import KVCache
+from kernels.metadata import AttentionMetadata, PagedKV
 from model.config import ModelConfig
 
 
@@ -55,7 +54,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def forward_cached(
-        self, x: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
+        self, x: torch.Tensor, cache: PagedKV, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
         N, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=1)
@@ -94,7 +93,7 @@ class Block(nn.Module):
         return self._residual(x, self.attn)
 
     def forward_cached(
-        self, x: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata
+        self, x: torch.Tensor, cache: PagedKV, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
         return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, meta))
 
@@ -185,7 +184,7 @@ class GPT(nn.Module):
     def forward_cached(
         self,
         tokens: torch.Tensor,
-        cache: KVCache,
+        cache: PagedKV,
         meta: AttentionMetadata,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -199,27 +198,3 @@ class GPT(nn.Module):
             x = block.forward_cached(x, cache, layer, meta)
         index = meta.last_token_index if logits_index is None else logits_index
         return self._head(x[index])  # (M, V)
-
-    def make_cache(
-        self,
-        num_blocks: int,
-        block_size: int = 16,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        block_order: list[int] | None = None,
-        prefix_caching: bool = True,
-    ) -> KVCache:
-        """A KV cache sized for this model."""
-        p = next(self.parameters())
-        c = self.config
-        return KVCache(
-            c.n_layer,
-            c.n_head,
-            c.head_dim,
-            num_blocks,
-            block_size,
-            device=device or p.device,
-            dtype=dtype or p.dtype,
-            block_order=block_order,
-            prefix_caching=prefix_caching,
-        )

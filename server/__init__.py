@@ -1,5 +1,4 @@
-"""The serving runtime: engine, scheduler, HTTP app, CLI."""
+"""HTTP only: the OpenAI-compatible app, its CLI (`python -m server`) and the Ray deployment.
 
-from pathlib import Path
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+Everything between a request and its tokens is in `engine/`; the network is in `model/`.
+"""

@@ -19,10 +19,10 @@ import sys
 
 import uvicorn
 
-from model.cpu_memory import retain_freed_memory
+from model.cpu.malloc_tuning import retain_freed_memory
 from server.app import create_app
+from server.runtime import ModelLoadError, preflight
 from server.settings import Settings, SettingsError, settings_from_args
-from server.state import ModelLoadError, preflight
 
 
 def bind(settings: Settings) -> socket.socket:

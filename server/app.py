@@ -31,8 +31,8 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.runtime import LoadedModel, ServerState, load_model
 from server.settings import Settings
-from server.state import LoadedModel, ServerState, load_model
 from server.streams import ClientGone
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"

@@ -11,7 +11,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from server.async_engine import AsyncEngine, StepStats
+from engine.async_engine import AsyncEngine, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)

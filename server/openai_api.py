@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from server.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.sequence import TokenEvent, TokenLogprob
 from server.errors import APIError, error_body
 from server.protocol import (
     COMPLETION_ERRORS,
@@ -24,8 +25,7 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.sequence import TokenEvent, TokenLogprob
-from server.state import ServerState
+from server.runtime import ServerState
 from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
 from server.validation import EngineInputs, Validator
 

@@ -14,7 +14,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from server import DEFAULT_MODEL_DIR
+from model import DEFAULT_MODEL_DIR
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
 GROUPS = {
@@ -81,7 +81,7 @@ class Settings:
     shutdown_grace: float = flag(30.0, "seconds in-flight requests get after SIGTERM", low=0)
     stream_interval: int = flag(
         1, "a streamed completion's tokens per SSE chunk after its first token (which is sent "
-        "at once): more means fewer, larger chunks and less work per token (server.ray_app "
+        "at once): more means fewer, larger chunks and less work per token (server.ray.cli "
         "defaults to 4: there each chunk crosses Ray Serve's proxy)", low=1,
     )  # fmt: skip
     # engine

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from model.sampling import SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.sampler import SamplingParams
+from engine.sequence import TokenEvent, TokenLogprob
 from model.tokenizer import Tokenizer
-from server.async_engine import AsyncEngine
 from server.metrics import Metrics
-from server.sequence import TokenEvent, TokenLogprob
 
 
 class RequestTimeout(Exception):

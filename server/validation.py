@@ -12,16 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.grammar import (
+from engine.async_engine import EngineLimits
+from engine.grammar import (
     Constraint,
     ConstraintKind,
     GrammarError,
     compile_constraint,
     grammar_vocab,
 )
-from model.sampling import SamplingError, SamplingParams
+from engine.sampler import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
-from server.async_engine import EngineLimits
 from server.chat import ChatTemplate
 from server.errors import APIError, bad_request
 from server.protocol import (
@@ -231,7 +231,7 @@ class Validator:
             )
         pool, blocks = self.limits.kv_cache_tokens, self.limits.kv_cache_blocks
         if total > pool:
-            need = -(-total // self.limits.block_size)
+            need = -(-total // self.limits.kv_block_size)
             raise bad_request(
                 f"the request needs {need} KV cache blocks ({total} tokens) but the pool has "
                 f"{blocks} ({pool} tokens); ask for fewer tokens",

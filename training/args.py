@@ -16,9 +16,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from training.checkpointing import STATE_FILE, read_saved_flags
 from training.config import ARCH_KEYS, DTYPES, PATH_KEYS, TrainConfig, field_names, flag
 from training.errors import TrainError
-from training.state import STATE_FILE, read_saved_flags
 
 
 class _Parser(argparse.ArgumentParser):

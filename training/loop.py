@@ -13,7 +13,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from model import get_tokenizer
-from model.cpu_memory import retain_freed_memory
+from model.cpu.malloc_tuning import retain_freed_memory
+from training.checkpointing import (
+    BEST_DIR,
+    STATE_FILE,
+    atomic_torch_save,
+    read_train_state,
+    rng_state,
+    save_served,
+    set_rng_state,
+)
 from training.config import ARCH_KEYS, DTYPES, TrainConfig
 from training.data import BatchSampler, prepare_data, split_tokens
 from training.distributed import (
@@ -27,15 +36,6 @@ from training.distributed import (
 from training.errors import TrainError
 from training.metrics import LOSS_PLOT, METRICS_FILE, append_metrics, plot_losses, trim_metrics
 from training.setup import autocast_for, build_model, check_out_dir, pick_device
-from training.state import (
-    BEST_DIR,
-    STATE_FILE,
-    atomic_torch_save,
-    read_train_state,
-    rng_state,
-    save_served,
-    set_rng_state,
-)
 from training.step import LossModule, evaluate, lr_at, make_optimizer, sample_text, train_step
 
 MAX_BAD_STEPS = 5  # consecutive non-finite losses before training stops

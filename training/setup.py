@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from model import GPT, CheckpointError, ConfigError, ModelConfig, load_checkpoint
+from training.checkpointing import STATE_FILE
 from training.config import DTYPES, TrainConfig, arch
 from training.distributed import Dist
 from training.errors import TrainError
-from training.state import STATE_FILE
 
 
 def pick_device(name: str, info: Dist) -> torch.device:

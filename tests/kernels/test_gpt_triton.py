@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton kernel
 from kernel_testing import rel_error  # noqa: E402
 
 import kernels  # noqa: E402
+from engine.kv_cache import KVCache
 from model import GPT, ModelConfig  # noqa: E402
 
 
@@ -90,7 +91,7 @@ def _cached_logits(
     kernels.set_backend(backend)
     order = list(range(32))
     random.Random(0).shuffle(order)
-    cache = model.make_cache(num_blocks=32, block_size=8, device=device, block_order=order)
+    cache = KVCache.for_model(model, num_blocks=32, block_size=8, device=device, block_order=order)
     cache.k.fill_(float("nan"))  # unused slots hold garbage
     cache.v.fill_(float("nan"))
     out = []

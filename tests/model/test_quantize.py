@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, ModelConfig, load_checkpoint
+from model import DEFAULT_MODEL_DIR, GPT, ModelConfig, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.quantize import (
     MANY_ROWS,
@@ -21,7 +21,6 @@ from model.quantize import (
     quantize_rows,
     weight_bytes,
 )
-from server import DEFAULT_MODEL_DIR
 
 TINY = dict(n_layer=2, n_head=2, n_embd=40, block_size=32, vocab_size=101)
 
@@ -173,7 +172,7 @@ def test_bad_combinations_are_one_line_errors():
         check_quantization("int4", "cpu", torch.float32)
 
 
-@pytest.mark.parametrize("cli", ["server", "server.generate"])
+@pytest.mark.parametrize("cli", ["server", "engine.cli"])
 def test_the_clis_refuse_int8_in_float16_on_a_cpu_in_one_line(cli, capsys):
     flags = ["--quantize", "int8", "--dtype", "float16", "--device", "cpu"]
     if cli == "server":
@@ -181,7 +180,7 @@ def test_the_clis_refuse_int8_in_float16_on_a_cpu_in_one_line(cli, capsys):
 
         code = main(flags + ["--port", "0"])
     else:
-        from server.generate import main
+        from engine.cli import main
 
         code = main(["hello", *flags])
     err = capsys.readouterr().err.strip()

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import uvicorn
 from fastapi import FastAPI
 
-from model import GPT, ModelConfig, save_checkpoint
+from engine.engine import Engine
 from server.app import create_app
-from server.engine import Engine
+from server.runtime import LoadedModel, ServerState, load_model
 from server.settings import Settings
-from server.state import LoadedModel, ServerState, load_model
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-gpt"
@@ -129,14 +127,6 @@ def live_server(
     finally:
         server.should_exit = True
         thread.join(15)
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt") / MODEL_NAME
-    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=256)), path)
-    return path
 
 
 @pytest.fixture(scope="session")

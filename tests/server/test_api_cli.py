@@ -37,8 +37,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_missing_default_model_is_one_line_exit_2() -> None:
     missing = "/nonexistent/default_model"
     code = (
-        "import sys, server; from pathlib import Path; "
-        f"server.DEFAULT_MODEL_DIR = Path({missing!r}); "
+        "import sys, model; from pathlib import Path; "
+        f"model.DEFAULT_MODEL_DIR = Path({missing!r}); "
         "from server.__main__ import main; sys.exit(main(['--port', '1']))"
     )
     out = subprocess.run(
@@ -84,14 +84,14 @@ def test_a_taken_port_is_one_line_exit_2_before_loading() -> None:
 GATED_SERVER = """
 import sys, time
 from pathlib import Path
-import server.state
-real = server.state.load_checkpoint
+import server.runtime
+real = server.runtime.load_checkpoint
 def gated(*args, **kwargs):
     deadline = time.monotonic() + 60
     while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return real(*args, **kwargs)
-server.state.load_checkpoint = gated
+server.runtime.load_checkpoint = gated
 from server.__main__ import main
 sys.exit(main(sys.argv[2:]))
 """

@@ -10,8 +10,7 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from model import get_tokenizer, load_checkpoint
-from server import DEFAULT_MODEL_DIR
+from model import DEFAULT_MODEL_DIR, get_tokenizer, load_checkpoint
 from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import torch
 
-from model.cache import KVCache
+from engine.kv_cache import KVCache
+from server.runtime import LoadedModel, ModelLoadError
 from server.settings import Settings
-from server.state import LoadedModel, ModelLoadError
 from tests.server.conftest import (
     API_KEY,
     MODEL_NAME,
@@ -209,7 +209,7 @@ def test_preemptions_are_counted_in_metrics_and_logged(
         httpx.get(f"{url}/metrics", timeout=10).text, "gptserve_preemptions_total"
     )
     body = {"prompt": [1] * 10, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
-    with caplog.at_level(logging.INFO, logger="server.engine"):
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
         with ThreadPoolExecutor(3) as pool:
             answers = list(
                 pool.map(

@@ -23,12 +23,11 @@ import pytest
 import torch
 from openai import OpenAI
 
-from model import GPT, Tokenizer, get_tokenizer, load_checkpoint
+from engine.engine import Engine, EngineConfig
+from engine.grammar import Constraint, compile_constraint
+from engine.sampler import SamplingParams
+from model import DEFAULT_MODEL_DIR, GPT, Tokenizer, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
-from model.grammar import Constraint, compile_constraint
-from model.sampling import SamplingParams
-from server import DEFAULT_MODEL_DIR
-from server.engine import Engine, EngineConfig
 from server.settings import Settings
 from tests.schemas import BOUNDED_MAX_TOKENS, BOUNDED_SCHEMAS, CHOICES, REGEXES
 from tests.server.conftest import API_KEY, LiveServer, live_server

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
-from training.state import STATE_FILE  # noqa: E402
+from training.checkpointing import STATE_FILE  # noqa: E402
 
 CHECKPOINT_FILES = {"model.safetensors", "config.json", STATE_FILE}
 

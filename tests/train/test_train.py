@@ -24,8 +24,8 @@ import train
 import training.data
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
 from training.args import parse_config
+from training.checkpointing import BEST_DIR, STATE_FILE
 from training.data import find_text_files, tokenize_cached
-from training.state import BEST_DIR, STATE_FILE
 from training.step import LossModule, lr_at, make_optimizer
 
 REPO = Path(__file__).resolve().parents[2]

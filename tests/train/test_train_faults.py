@@ -22,7 +22,7 @@ import torch
 
 import train
 from model import load_checkpoint
-from training.state import BEST_DIR, STATE_FILE
+from training.checkpointing import BEST_DIR, STATE_FILE
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

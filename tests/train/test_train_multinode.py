@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from training.checkpointing import STATE_FILE
 from training.distributed import SHARED_STORE_WARNING, shared_store_breaks_restarts
-from training.state import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 60

@@ -22,7 +22,7 @@ import torch
 
 import train
 from training.args import parse_config
-from training.state import STATE_FILE
+from training.checkpointing import STATE_FILE
 
 TRAINING = Path(__file__).resolve().parents[2] / "training"
 TINY = [

@@ -5,12 +5,11 @@ tokens and logprobs are those of the same model's full forward."""
 import pytest
 import torch
 
-from model import get_tokenizer, load_checkpoint
+from engine.engine import Engine, EngineConfig
+from engine.sampler import SamplingParams
+from model import DEFAULT_MODEL_DIR, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.quantize import quantize
-from model.sampling import SamplingParams
-from server import DEFAULT_MODEL_DIR
-from server.engine import Engine, EngineConfig
 
 PROMPTS = [
     "PAROLLES.\nNoble heroes, my sword and yours are kin. Good sparks and\n",

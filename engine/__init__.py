@@ -1,0 +1,14 @@
+"""Everything between a request and its tokens.
+
+One step reads top to bottom: `scheduler.py` decides which sequences run and how many new tokens
+each gets (a `StepPlan`), `engine.py` runs the model over the paged KV cache (`kv_cache.py`, its
+blocks in `block_pool.py`, prompt reuse in `prefix_index.py`) and samples (`sampler.py`, with
+`grammar.py` masks and `verify.py` for speculative guesses from `proposers.py`), and turns the
+tokens into events on each `Sequence`. `async_engine.py` drives it from a thread for the server;
+`loader.py` builds a servable model from a checkpoint; `python -m engine` generates offline.
+"""
+
+from engine.engine import Engine, EngineConfig, RequestError
+from engine.sampler import SamplingError, SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "RequestError", "SamplingError", "SamplingParams"]

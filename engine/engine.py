@@ -1,0 +1,396 @@
+"""The engine: requests in, token events out, one batched model step at a time.
+
+`Engine.step()` asks the scheduler for the step's work (decodes plus prefill chunks), runs one
+packed forward over the paged KV cache, samples every sequence that needs a token, and returns the
+events. It is synchronous and single-threaded; `engine.async_engine` drives it from a thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
+from engine.kv_cache import KVCache
+from engine.proposers import make_speculator
+from engine.sampler import SampleRow, SamplingParams, prompt_logprobs, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, TokenEvent, TokenLogprob
+from engine.verify import verify
+from model.gpt import GPT
+from model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` names the field at fault, `code` the kind."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32  # sequences decoding together
+    max_batch_tokens: int = 512  # tokens per step (prefill chunk size bound)
+    kv_block_size: int = 16  # tokens per KV cache block (page)
+    num_blocks: int | None = None  # None: max_num_seqs full contexts within kv_cache_bytes
+    kv_cache_bytes: int = 2 << 30
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (needs a draft model)
+    num_speculative_tokens: int = 4  # guesses per sequence and step
+    speculative_max_batch: int = 4  # no guesses while more sequences decode
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    forked: bool = False
+    prompt_lp: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_lp_sent: bool = False
+
+
+@dataclass
+class _Chunk:
+    """One sequence's part of a step: its new tokens and the logits rows they get."""
+
+    seq: Sequence
+    num_tokens: int
+    first_row: int  # its first row in the step's logits
+    num_rows: int = 0
+    completes: bool = False  # the chunk reaches the sequence's last known token: sample after it
+    verifies: bool = False  # a decode with guesses: every position gets logits, for `verify`
+    scores: bool = False  # every position gets logits, for the prompt's logprobs
+
+
+class Engine:
+    """Continuous batching over one model and its paged KV cache; `step()` runs one batch.
+
+    The Engine runs the model as it is given (it only switches it to eval mode). On a CPU, give it
+    a model passed through `model.cpu.optimize_for_cpu` for fast decoding, as the CLIs do.
+    """
+
+    def __init__(
+        self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None,
+        draft_model: GPT | None = None,
+    ) -> None:  # fmt: skip
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        mc = model.config
+        self.max_len = mc.context_length
+        param = next(model.parameters())
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            per_block = KVCache.bytes_per_block(
+                mc.n_layer, mc.n_head, mc.head_dim, config.kv_block_size, param.dtype
+            )
+            full = config.max_num_seqs * -(-self.max_len // config.kv_block_size)
+            num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
+        self.cache = KVCache.for_model(
+            model, num_blocks, config.kv_block_size, prefix_caching=config.prefix_caching
+        )
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
+        if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:
+            raise ValueError("the draft model must use the model's tokenizer")
+        self.speculator = make_speculator(
+            config.speculative, draft_model, config.num_speculative_tokens,
+            config.speculative_max_batch, config.max_num_seqs, config.kv_block_size,
+        )  # fmt: skip
+        self.eos = tokenizer.eot_token
+        self.device = param.device
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_failed_steps = 0
+        self.num_preemptions = 0  # sequences requeued for lack of KV blocks (server /metrics)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises RequestError or SamplingError if it can never run."""
+        if request_id in self._requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        self.check_request(prompt_ids, params)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, self.tokenizer)
+            for i in range(params.n)
+        ]
+        self._requests[request_id] = _Request(request_id, list(prompt_ids), params, seqs)
+        self.scheduler.add(seqs[0])
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError or SamplingError if the request can never run; reads no mutable state."""
+        vocab = self.model.config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if any(not (0 <= t < vocab) for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_len} tokens; the request "
+                f"asks for {len(prompt_ids)} prompt tokens plus {params.max_tokens} to generate",
+                param="max_tokens" if len(prompt_ids) < self.max_len else "prompt",
+                code="context_length_exceeded",
+            )
+        need = -(-total // self.config.kv_block_size)
+        if need > self.cache.num_blocks:
+            pool_tokens = self.cache.num_blocks * self.config.kv_block_size
+            raise RequestError(
+                f"the request needs {need} KV cache blocks ({total} tokens) but the pool has "
+                f"{self.cache.num_blocks} ({pool_tokens} tokens); ask for fewer tokens",
+                param="max_tokens" if len(prompt_ids) < pool_tokens else "prompt",
+                code="kv_cache_exceeded",
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks at once; False if it is unknown or finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.remove(seq)
+            if self.speculator is not None:
+                self.speculator.forget(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        # list(): other threads read this while the engine thread adds and retires requests
+        return len(self.scheduler.waiting) + sum(
+            len(r.seqs) - 1 for r in list(self._requests.values()) if not r.forked
+        )
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.cache.num_free_blocks / self.cache.num_blocks
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Run one batched forward and return the events it produced."""
+        if self.speculator is not None:
+            try:
+                self.speculator.propose(self.scheduler.running, self.max_len)
+            except Exception:  # a proposer fault costs the guesses, never the engine
+                log.exception("speculative proposal failed")
+                for seq in self.scheduler.running:
+                    seq.guesses = []
+        batch = self.scheduler.schedule()
+        if batch.preempted:  # counted for the server's /metrics, and logged
+            self.num_preemptions += len(batch.preempted)
+            log.info(
+                "preempted %d sequence(s) for lack of KV cache blocks: %s",
+                len(batch.preempted), ", ".join(f"{s.request_id}/{s.index}" for s in batch.preempted),
+            )  # fmt: skip
+        if not batch.items:
+            return self._fail(list(self.scheduler.running), "the request does not fit the KV cache")
+        try:
+            return self._run(batch.items)
+        except Exception as exc:  # a failed step fails only its own requests
+            self.num_failed_steps += 1
+            log.exception("engine step failed")
+            return self._fail([s for s, _ in batch.items], f"model step failed: {exc}")
+
+    def _run(self, items: list[tuple[Sequence, int]]) -> list[TokenEvent]:
+        meta = self.cache.prepare([(s.seq_id, n) for s, n in items])
+        tokens: list[int] = []
+        rows: list[int] = []  # packed positions that get logits
+        work: list[_Chunk] = []
+        for seq, n in items:
+            req = self._requests[seq.request_id]
+            start = len(tokens)
+            chunk = _Chunk(seq, n, first_row=len(rows))
+            chunk.verifies = seq.pending == 1 and n > 1  # the last token, then guesses
+            if chunk.verifies:
+                tokens.extend([seq.token_ids[-1], *seq.guesses])
+            else:
+                tokens.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
+            chunk.completes = chunk.verifies or seq.num_cached + n == len(seq.token_ids)
+            chunk.scores = (
+                req.params.prompt_logprobs is not None
+                and not req.prompt_lp_sent
+                and seq.index == 0
+                and seq.num_generated == 0
+            )
+            if chunk.scores or chunk.verifies:
+                rows.extend(range(start, start + n))
+            elif chunk.completes:
+                rows.append(start + n - 1)
+            chunk.num_rows = len(rows) - chunk.first_row
+            work.append(chunk)
+        with torch.inference_mode():
+            logits = self.model.forward_cached(
+                torch.tensor(tokens, device=self.device),
+                self.cache,
+                meta,
+                logits_index=torch.tensor(rows, dtype=torch.long, device=self.device),
+            )  # (len(rows), V), on the model's device
+
+        events: list[TokenEvent] = []
+        to_sample: list[tuple[Sequence, int]] = []  # (sequence, logits row)
+        for chunk in work:
+            seq = chunk.seq
+            req = self._requests[seq.request_id]
+            if chunk.verifies:
+                end = chunk.first_row + chunk.num_rows
+                events.append(self._verify(req, seq, logits[chunk.first_row : end]))
+                continue
+            if chunk.scores:
+                end = chunk.first_row + chunk.num_rows
+                self._score_prompt(req, seq.num_cached, logits[chunk.first_row : end])
+            seq.num_cached += chunk.num_tokens
+            self.cache.register_full_blocks(seq.seq_id, seq.token_ids)
+            if not chunk.completes:
+                continue
+            last = chunk.first_row + chunk.num_rows - 1
+            if req.params.max_tokens == 0:
+                events.extend(self._finish_unsampled(req))
+                continue
+            to_sample.append((seq, last))
+            if not req.forked and seq.index == 0:
+                req.forked = True
+                to_sample.extend((child, last) for child in self._fork(req))
+        if to_sample:
+            events.extend(self._sample(to_sample, logits))
+        return events
+
+    def _score_prompt(self, req: _Request, start: int, logits: torch.Tensor) -> None:
+        """Record logprobs of prompt tokens start+1 .. predicted by logits (n, V)."""
+        if start == 0:
+            req.prompt_lp = [None]
+        n = min(len(logits), len(req.prompt_ids) - 1 - start)
+        if n > 0:
+            nxt = torch.tensor(req.prompt_ids[start + 1 : start + 1 + n], device=logits.device)
+            chosen, top_ids, top_lp = prompt_logprobs(logits[:n], nxt, req.params.prompt_logprobs)
+            for tok, lp, ids, lps in zip(nxt.tolist(), chosen, top_ids, top_lp):
+                req.prompt_lp.append(TokenLogprob(tok, lp, list(zip(ids, lps))))
+
+    def _fork(self, req: _Request) -> list[Sequence]:
+        """After the shared prefill, the other n - 1 completions share its blocks (copied on write)."""
+        parent = req.seqs[0]
+        children = []
+        for child in req.seqs[1:]:
+            self.cache.fork(parent.seq_id, child.seq_id)
+            child.num_cached = parent.num_cached
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _sample(self, work: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[TokenEvent]:
+        rows = [
+            SampleRow(s.params, s.token_ids[: s.num_prompt], s.output_ids, s.generator,
+                      None if s.constraint else self.eos)  # a grammar decides when it may end
+            for s, _ in work
+        ]  # fmt: skip
+        allowed = None
+        if any(s.constraint for s, _ in work):  # structured output: a mask row per sequence
+            bitmask = allocate_bitmask(len(work), logits.shape[-1])
+            fill_bitmask([s.constraint for s, _ in work], bitmask)
+            allowed = bitmask_to_bool(bitmask, logits.shape[-1])
+        index = torch.tensor([r for _, r in work], device=logits.device)
+        out = sample(logits[index], rows, allowed)
+        events = []
+        for i, (seq, _) in enumerate(work):
+            req = self._requests[seq.request_id]
+            token = out.tokens[i]
+            text = seq.append(token, self.eos, self.max_len)
+            lps = []
+            if seq.params.logprobs is not None:
+                top = list(zip(out.top_ids[i], out.top_logprobs[i]))
+                lps = [TokenLogprob(token, out.logprobs[i], top)]
+            events.append(self._event(req, seq, [token], text, lps, seq.finish_reason))
+            if seq.finished:
+                self._retire(req, seq)
+        return events
+
+    def _verify(self, req: _Request, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        """Keep the guesses the model agrees with, plus a token of its own (logits (1 + k, V))."""
+        row = SampleRow(seq.params, seq.token_ids[: seq.num_prompt], seq.output_ids,
+                        seq.generator, self.eos)  # fmt: skip
+        out = verify(logits, row, seq.guesses)
+        self.speculator.record(seq, out.num_accepted)
+        settled = seq.num_cached + 1 + out.num_accepted  # the last token and the accepted guesses
+        self.cache.truncate(seq.seq_id, settled)
+        seq.num_cached, seq.guesses = settled, []
+        text, lps, emitted = "", [], []
+        for i, token in enumerate(out.tokens):
+            if seq.finished:  # a stop or the length limit came before the last token
+                break
+            emitted.append(token)
+            text += seq.append(token, self.eos, self.max_len)
+            if seq.params.logprobs is not None:
+                top = list(zip(out.top_ids[i], out.top_logprobs[i]))
+                lps.append(TokenLogprob(token, out.logprobs[i], top))
+        self.cache.register_full_blocks(seq.seq_id, seq.token_ids)
+        event = self._event(req, seq, emitted, text, lps, seq.finish_reason)
+        if seq.finished:
+            self._retire(req, seq)
+        return event
+
+    def _finish_unsampled(self, req: _Request) -> list[TokenEvent]:
+        """max_tokens 0 (prompt scoring): every completion ends after the prefill."""
+        events = []
+        for seq in req.seqs:
+            seq.finish_reason = "length"
+            events.append(self._event(req, seq, [], "", [], "length"))
+            self._retire(req, seq)
+        return events
+
+    def _event(
+        self,
+        req: _Request,
+        seq: Sequence,
+        token_ids: list[int],
+        text: str,
+        lps: list[TokenLogprob],
+        finish: str | None,
+        error: str | None = None,
+    ) -> TokenEvent:
+        event = TokenEvent(
+            req.request_id, seq.index, token_ids, text, lps, finish, error,
+            num_prompt_tokens=len(req.prompt_ids), num_generated=seq.num_generated,
+            num_cached_tokens=req.seqs[0].num_prefix_hit,
+            text_offsets=seq.text_offsets[len(seq.text_offsets) - len(token_ids) :],
+        )  # fmt: skip
+        if req.params.prompt_logprobs is not None and not req.prompt_lp_sent and seq.index == 0:
+            event.prompt_logprobs = req.prompt_lp
+            req.prompt_lp_sent = True
+        return event
+
+    def _retire(self, req: _Request, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
+        if all(s.finished for s in req.seqs):
+            self._requests.pop(req.request_id, None)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> list[TokenEvent]:
+        """End every request that has a sequence in seqs with an error event per completion."""
+        events = []
+        for rid in dict.fromkeys(s.request_id for s in seqs):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    events.append(self._event(req, seq, [], "", [], None, error=message))
+            self.abort(rid)
+        return events

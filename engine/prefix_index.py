@@ -1,0 +1,165 @@
+"""Which cached KV blocks hold which tokens: the prefix cache's index.
+
+A full block is keyed by a digest of its tokens and of its parent block's key, so by every token
+before it too (`block_key`); the key is set on the block in the pool (`BlockAllocator.set_key`),
+which finds it again while nobody has evicted it. A sequence's last, partly filled block is keyed
+the same way, with a key of its own kind, once the sequence lets go of it. Besides the digests the
+index keeps each keyed block's tokens under its parent's key and its first token, so a new prompt
+that diverges inside a block can still take the longest matching start of one (`best_partial`).
+
+The index holds no tensors: `engine.kv_cache.KVCache` owns the pools and the block tables and asks
+the index what to reuse and what to key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from engine.block_pool import BlockAllocator
+
+
+def block_key(parent: bytes | None, tokens: Sequence[int], partial: bool = False) -> bytes:
+    """A block's key: a digest of its tokens and of its parent block's key. A cryptographic
+    digest, so no prompt can be built to collide with another's cached blocks (Python's 64-bit
+    hash() could be); partly filled blocks get keys of their own kind."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16, person=b"tail" if partial else b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+class PrefixIndex:
+    """Keys of every sequence's full blocks, the tokens of its partly filled one, and the tokens
+    of every keyed block by (parent key, first token)."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self._keys: dict[int, list[bytes]] = {}  # seq_id -> key of each of its full blocks
+        self._tails: dict[int, tuple[int, ...]] = {}  # seq_id -> tokens in its partial block
+        self._tokens: dict[bytes, tuple[int, ...]] = {}  # a keyed block's tokens, by its key
+        # keys of the keyed blocks after a parent key, by their first token (insertion order, so
+        # the choice among equal matches does not depend on the process's hash seed)
+        self._children: dict[tuple[bytes | None, int], dict[bytes, None]] = {}
+        self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of those, tokens found there
+
+    # ---- lookups ---------------------------------------------------------------------------
+
+    def match_full_blocks(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
+        """Keys and pool blocks of the longest run of cached full blocks that starts token_ids,
+        leaving at least one token uncovered."""
+        bs = self.block_size
+        keys: list[bytes] = []
+        blocks: list[int] = []
+        for i in range((len(token_ids) - 1) // bs):
+            key = block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
+            block = self.allocator.lookup(key)
+            if block is None:
+                break
+            keys.append(key)
+            blocks.append(block)
+        return keys, blocks
+
+    def best_partial(self, parent: bytes | None, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The cached block after `parent` whose tokens start most like `tokens`, and how many of
+        them match; None when none matches a token."""
+        if not tokens:
+            return None
+        best, matched = None, 0
+        where = (parent, tokens[0])
+        for key in list(self._children.get(where, ())):
+            block = self.allocator.lookup(key)
+            if block is None:  # evicted since
+                self._forget(where, key)
+                continue
+            n = 0
+            for mine, theirs in zip(tokens, self._tokens[key]):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > matched:
+                best, matched = block, n
+        return None if best is None else (best, matched)
+
+    def keys_of(self, seq_id: int) -> list[bytes]:
+        return self._keys.get(seq_id, [])
+
+    # ---- a sequence's keys -----------------------------------------------------------------
+
+    def adopt(self, seq_id: int, keys: list[bytes]) -> None:
+        """A sequence starts with the keys of the cached blocks it reused."""
+        self._keys[seq_id] = keys
+
+    def fork(self, src: int, dst: int) -> None:
+        self._keys[dst] = list(self._keys.get(src, []))
+        if src in self._tails:
+            self._tails[dst] = self._tails[src]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        del self._keys.setdefault(seq_id, [])[length // self.block_size :]
+        self._tails.pop(seq_id, None)  # known again at the next `register`
+
+    def drop(self, seq_id: int) -> None:
+        self._keys.pop(seq_id, None)
+        self._tails.pop(seq_id, None)
+
+    def register(
+        self, seq_id: int, table: Sequence[int], seq_len: int, token_ids: Sequence[int]
+    ) -> None:
+        """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')."""
+        keys = self._keys.setdefault(seq_id, [])
+        bs = self.block_size
+        known = min(seq_len, len(token_ids))  # a finished sequence may know fewer
+        for i in range(len(keys), known // bs):
+            parent = keys[-1] if keys else None
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            keys.append(block_key(parent, tokens))
+            self.allocator.set_key(table[i], keys[-1])
+            self._remember(parent, keys[-1], tokens)
+        self._tails[seq_id] = tuple(token_ids[len(keys) * bs : known])
+
+    def key_tail(self, seq_id: int, table: Sequence[int], seq_len: int) -> None:
+        """Key a sequence's partly filled last block by its tokens, if it holds it alone and
+        every token in it was computed by a step that succeeded (`register`)."""
+        tail, keys = self._tails.get(seq_id), self._keys.get(seq_id, [])
+        if not tail or len(keys) * self.block_size + len(tail) != seq_len:
+            return
+        if len(table) != len(keys) + 1 or self.allocator.ref(table[-1]) != 1:
+            return
+        parent = keys[-1] if keys else None
+        key = block_key(parent, tail, partial=True)
+        self.allocator.set_key(table[-1], key)
+        if self.allocator.lookup(key) == table[-1]:
+            self._remember(parent, key, tail)
+
+    def count_query(self, num_tokens: int, num_hit: int) -> None:
+        """Count an admitted prompt's lookup (for /metrics)."""
+        self.queried_tokens += num_tokens
+        self.hit_tokens += num_hit
+
+    # ---- the token index -------------------------------------------------------------------
+
+    def _remember(self, parent: bytes | None, key: bytes, tokens: Sequence[int]) -> None:
+        """Index a keyed block's tokens under its parent's key (for `best_partial`)."""
+        if key in self._tokens or not tokens:
+            return
+        self._tokens[key] = tuple(tokens)
+        self._children.setdefault((parent, tokens[0]), {})[key] = None
+        if len(self._tokens) > 2 * self.allocator.num_blocks:  # drop what eviction left behind
+            for stale in [k for k in self._tokens if self.allocator.lookup(k) is None]:
+                del self._tokens[stale]
+            for where, children in list(self._children.items()):
+                for stale in [k for k in children if k not in self._tokens]:
+                    del children[stale]
+                if not children:
+                    del self._children[where]
+
+    def _forget(self, where: tuple[bytes | None, int], key: bytes) -> None:
+        self._tokens.pop(key, None)
+        children = self._children.get(where)
+        if children is not None:
+            children.pop(key, None)
+            if not children:
+                del self._children[where]

@@ -1,0 +1,261 @@
+"""The Ray Serve deployment: one gptserve engine per replica, behind Ray Serve's HTTP proxy.
+
+Each replica serves the app that `create_app` builds (the same routes, errors, API keys,
+streaming and playground as `python -m server`) with its own engine thread, and names itself in
+an `x-gptserve-replica` response header. A replica is healthy once its model serves: its first
+health check waits for the load, and a failed load or a dead engine fails the check, so Ray
+replaces the replica. Each replica's Prometheus registry is copied into Ray's metrics every few
+seconds (`MetricsMirror`), tagged with the deployment, replica and application.
+
+`server.ray.cli` builds applications from this module (`serve run`, config files, its CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from ray import serve
+from ray.serve import metrics as serve_metrics
+from ray.serve.deployment import Application
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from model.cpu.malloc_tuning import retain_freed_memory
+from server.app import create_app
+from server.runtime import ServerState
+from server.settings import API_KEYS_ENV, Settings, SettingsError
+
+log = logging.getLogger(__name__)
+
+DEPLOYMENT_NAME = "gptserve"
+REPLICA_HEADER = "x-gptserve-replica"
+
+
+@dataclass(frozen=True)
+class ScaleOptions:
+    """How many replicas, what each one reserves, and when Ray adds or removes one.
+
+    Without `num_replicas` the deployment autoscales between `min_replicas` and `max_replicas`
+    on queue depth: Ray's ongoing requests per replica (those a replica is answering, running
+    or waiting in its engine, plus those queued for it in the proxy) against
+    `target_ongoing_requests`.
+    """
+
+    num_replicas: int | None = None  # a fixed count; None: autoscale
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 16.0
+    max_ongoing_requests: int = 64  # a replica's cap; more wait in the proxy
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0  # the window Ray averages the ongoing requests over
+    num_cpus: float = 1.0  # per replica; Ray sets OMP_NUM_THREADS (torch's threads) from it
+    num_gpus: float = 0.0  # per replica
+    load_timeout: float = 600.0  # seconds a replica may take to load its checkpoint
+    metrics_interval: float = 5.0  # seconds between copies of the registry into Ray's metrics
+
+    def validate(self) -> ScaleOptions:
+        """Raise SettingsError for the first value Ray cannot run with; returns self."""
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise SettingsError("num_replicas must be >= 1")
+        if self.min_replicas < 0 or self.max_replicas < 1:
+            raise SettingsError("min_replicas must be >= 0 and max_replicas >= 1")
+        if self.min_replicas > self.max_replicas:
+            raise SettingsError("min_replicas must not be above max_replicas")
+        for name in ("target_ongoing_requests", "max_ongoing_requests", "look_back_period_s",
+                     "load_timeout", "metrics_interval"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be > 0")
+        for name in ("upscale_delay_s", "downscale_delay_s", "num_cpus", "num_gpus"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0")
+        return self
+
+    def deployment_options(self, settings: Settings) -> dict[str, Any]:
+        """Keyword arguments of `serve.deployment` for these options and server settings."""
+        options: dict[str, Any] = {
+            "name": DEPLOYMENT_NAME,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "graceful_shutdown_timeout_s": settings.shutdown_grace,
+        }
+        if self.num_replicas is not None:
+            options["num_replicas"] = self.num_replicas
+        else:
+            options["autoscaling_config"] = {
+                "min_replicas": self.min_replicas,
+                "initial_replicas": max(self.min_replicas, 1),
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s,
+            }
+        return options
+
+
+SCALE_FIELDS = tuple(f.name for f in fields(ScaleOptions))
+
+
+def deployment(settings: Settings, options: ScaleOptions) -> Application:
+    """The gptserve deployment for these settings, bound and ready for `serve.run`."""
+    settings.validate()
+    options.validate()
+
+    def build_asgi_app() -> FastAPI:  # called in each replica, after Replica.__init__
+        return replica_app(settings)
+
+    ingress = serve.ingress(build_asgi_app)(Replica)
+    return serve.deployment(ingress, **options.deployment_options(settings)).bind(options)
+
+
+class Replica:
+    """The deployment's class; `serve.ingress` puts the app from `replica_app` in front of it."""
+
+    def __init__(self, options: ScaleOptions) -> None:
+        self.options = options
+        self.loaded = False
+        self.mirror_task: asyncio.Task | None = None  # held: an unreferenced task may be collected
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.server  # `app`: serve.ingress's wrapper provides it
+
+    async def check_health(self) -> None:
+        """Ray's health check. The first one runs while the replica starts: it waits for the
+        checkpoint to load, so no request is routed to a replica that is still loading."""
+        state = self.state
+        if not self.loaded:
+            await wait_loaded(state, self.options.load_timeout)
+            self.loaded = True
+            self.mirror_task = asyncio.create_task(
+                mirror_metrics(MetricsMirror(state.metrics.registry), self.options.metrics_interval)
+            )
+            log.info("replica %s serves %s", replica_id(), state.loaded.name)
+        status, body = state.health()
+        if status != 200:
+            raise RuntimeError(f"unhealthy: {json.dumps(body)}")
+
+
+async def wait_loaded(state: ServerState, timeout: float) -> None:
+    """Return once the engine runs; raise RuntimeError if the load fails or takes too long."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not state.ready:
+        if state.load_error is not None:
+            raise RuntimeError(f"the model failed to load: {state.load_error}")
+        if state.aeng is not None and state.aeng.dead:
+            raise RuntimeError(f"the engine has stopped: {state.aeng.dead}")
+        if loop.time() > deadline:
+            raise RuntimeError(f"the model did not load within {timeout:g} seconds")
+        await asyncio.sleep(0.05)
+
+
+def replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def replica_app(settings: Settings) -> FastAPI:
+    """The replica's app: `create_app` with the keys in this process's environment added, and a
+    header that names the replica on every response."""
+    retain_freed_memory()  # a process-wide malloc setting: each replica's process is an entry
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    keys = list(dict.fromkeys([*settings.api_keys, *env_keys]))
+    app = create_app(replace(settings, api_keys=keys))
+    app.add_middleware(ReplicaHeader, replica=replica_id())
+    return app
+
+
+class ReplicaHeader:
+    """ASGI middleware: every HTTP response names the replica that answered it."""
+
+    def __init__(self, app: ASGIApp, replica: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named_send)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+class MetricsMirror:
+    """Copies a replica's Prometheus registry into Ray's metrics system.
+
+    Ray exports each series with a `ray_` prefix and the tags `deployment`, `replica` and
+    `application` added: gauges stay gauges, counters stay counters (`ray_<name>_total`), and a
+    histogram's `_bucket`, `_sum` and `_count` series become gauges of the same names, so
+    `histogram_quantile` works on them as on the originals.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        gauge: Callable[..., Any] = serve_metrics.Gauge,
+        counter: Callable[..., Any] = serve_metrics.Counter,
+    ) -> None:
+        self.registry = registry
+        self.make_gauge, self.make_counter = gauge, counter
+        self.gauges: dict[str, Any] = {}
+        self.counters: dict[str, Any] = {}
+        self.last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def push(self) -> None:
+        """Copy the registry's current values (counters as increments since the last push)."""
+        for family in self.registry.collect():
+            for sample in family.samples:
+                name, labels = sample.name, sample.labels
+                if name.endswith("_created"):
+                    continue
+                tags = dict(labels) or None
+                if family.type == "counter":
+                    key = (family.name, tuple(sorted(labels.items())))
+                    delta = sample.value - self.last.get(key, 0.0)
+                    self.last[key] = sample.value
+                    if delta > 0:
+                        self._metric(self.counters, self.make_counter, family.name,
+                                     family.documentation, labels).inc(delta, tags=tags)  # fmt: skip
+                elif family.type in ("gauge", "histogram"):
+                    metric = self._metric(
+                        self.gauges, self.make_gauge, name, family.documentation, labels
+                    )
+                    metric.set(sample.value, tags=tags)
+
+    @staticmethod
+    def _metric(
+        cache: dict[str, Any], make: Callable[..., Any], name: str, doc: str, labels: dict
+    ) -> Any:
+        metric = cache.get(name)
+        if metric is None:
+            metric = cache[name] = make(name, description=doc, tag_keys=tuple(sorted(labels)))
+        return metric
+
+
+async def mirror_metrics(mirror: MetricsMirror, interval: float) -> None:
+    """Push the mirror every `interval` seconds until cancelled."""
+    while True:
+        try:
+            mirror.push()
+        except Exception:  # a metric Ray refuses must not stop the others for good
+            log.exception("copying the metrics into Ray's failed")
+        await asyncio.sleep(interval)

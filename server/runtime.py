@@ -1,0 +1,224 @@
+"""What a running server holds: the loaded model, the engine and its thread, and readiness.
+
+There is one way to start: the app binds its port first, then `ServerState.start_loading` loads
+the checkpoint and starts the engine in a background thread, so `/health` answers 503 "loading"
+over HTTP while a large checkpoint loads and 200 once it serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine, EngineConfig
+from model import GPT, Tokenizer, get_tokenizer, load_checkpoint
+from model.cpu import optimize_for_cpu
+from model.quantize import QuantizeError, check_quantization, quantize
+from server.chat import ChatTemplate
+from server.errors import APIError
+from server.metrics import Metrics
+from server.settings import DEFAULT_MODEL_DIR, Settings
+from server.validation import Validator
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The checkpoint cannot be served; the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: GPT
+    tokenizer: Tokenizer
+    name: str
+    template: ChatTemplate
+    path: Path
+    draft: GPT | None = None  # the draft model of speculative decoding (--draft-model)
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but CUDA is not available")
+    if dtype == "auto":
+        return torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32
+    return torch.device(device), _DTYPES[dtype]
+
+
+def preflight(settings: Settings) -> None:
+    """The checks that need no loading (directory, device, dtype with --quantize): `python -m
+    server` runs them before it binds its port, so these mistakes exit at once. Raises
+    ModelLoadError."""
+    path = settings.model_path
+    if not path.is_dir():
+        if settings.model is None:
+            raise ModelLoadError(
+                f"no --model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
+            )
+        raise ModelLoadError(f"checkpoint directory {path} does not exist")
+    device, dtype = resolve_device(settings.device, settings.dtype)
+    try:
+        check_quantization(settings.quantize, device, dtype)
+    except QuantizeError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """Load the checkpoint, its tokenizer and chat template; raises ModelLoadError."""
+    preflight(settings)
+    path = settings.model_path
+    device, dtype = resolve_device(settings.device, settings.dtype)
+    try:
+        model = load_checkpoint(path, device=device, dtype=dtype)
+        model = optimize_for_cpu(quantize(model, settings.quantize))
+        draft = None
+        if settings.draft_model is not None:
+            draft = load_checkpoint(settings.draft_model, device=device, dtype=dtype)
+            draft = optimize_for_cpu(quantize(draft, settings.quantize))
+        tokenizer = get_tokenizer(model.config.tokenizer)
+        template = ChatTemplate.for_checkpoint(path)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise ModelLoadError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+    if draft is not None and draft.config.tokenizer != model.config.tokenizer:
+        raise ModelLoadError(
+            f"the draft model's tokenizer {draft.config.tokenizer!r} is not the model's "
+            f"{model.config.tokenizer!r}"
+        )
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ModelLoadError(
+            f"the model's vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size}"
+        )
+    name = settings.served_model_name or path.resolve().name
+    return LoadedModel(model, tokenizer, name, template, path, draft)
+
+
+class ServerState:
+    """Readiness and the engine of one app; the app's handlers reach everything through it.
+
+    `loader` turns the settings into a loaded model (tests pass a slow one); `on_load_error` is
+    called with the message when loading fails (`python -m server` then exits).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        loader: Callable[[Settings], LoadedModel] = load_model,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.loader = loader
+        self.on_load_error: Callable[[str], None] | None = None
+        self.loaded: LoadedModel | None = None
+        self.aeng: AsyncEngine | None = None
+        self.validator: Validator | None = None
+        self.load_error: str | None = None
+        self.loader_thread: threading.Thread | None = None
+        self.closed = False
+        self._lock = threading.Lock()  # closed vs. a start finishing in the loader thread
+
+    def start_loading(self) -> threading.Thread:
+        """Load the model and start the engine in a thread of their own; returns the thread.
+
+        The loader thread ends once the engine runs, and with it the OpenMP pool its torch work
+        made: a pool left in a thread that lives on (the event loop's) would slow the engine
+        thread down (see engine.async_engine).
+        """
+        thread = threading.Thread(target=self._load_and_start, name="model-loader", daemon=True)
+        self.loader_thread = thread
+        thread.start()
+        return thread
+
+    def _load_and_start(self) -> None:
+        try:
+            self._start(self.loader(self.settings))
+        except Exception as exc:  # readiness reports it; the process keeps answering /health
+            self.load_error = str(exc) or repr(exc)
+            log.error("model failed to load: %s", self.load_error)
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
+
+    def _start(self, loaded: LoadedModel) -> None:
+        """Build the engine around a loaded model and start its thread."""
+        if self.closed:  # shut down while the model was loading
+            return
+        s = self.settings
+        config = EngineConfig(
+            max_num_seqs=s.max_num_seqs,
+            max_batch_tokens=s.max_batch_tokens,
+            kv_block_size=s.block_size,
+            kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
+            prefix_caching=not s.no_prefix_cache,
+            speculative="draft" if s.draft_model else s.speculative,
+            num_speculative_tokens=s.num_speculative_tokens,
+        )
+        aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft))
+        aeng.start()  # the Engine is built in the engine thread (see engine.async_engine)
+        limits = aeng.limits
+        validator = Validator(s, limits, loaded.name, loaded.tokenizer, loaded.template)
+        with self._lock:
+            closed = self.closed  # shut down while the engine was being built?
+            if not closed:
+                self.metrics.watch(aeng)
+                self.loaded, self.validator, self.aeng = loaded, validator, aeng
+        if closed:
+            aeng.stop()
+            return
+        log.info(
+            "serving %s from %s (context %d tokens, %d KV blocks of %d tokens)",
+            loaded.name, loaded.path, limits.max_model_len, limits.kv_cache_blocks,
+            limits.kv_block_size,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        with self._lock:
+            self.closed = True
+            aeng = self.aeng
+        if aeng is not None:
+            aeng.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.aeng is not None and not self.aeng.dead
+
+    def require_ready(self) -> AsyncEngine:
+        """The engine, or a 503 that says why it cannot serve."""
+        if self.aeng is None:
+            if self.load_error:
+                raise APIError(
+                    503, f"the model failed to load: {self.load_error}", code="model_load_failed"
+                )
+            raise APIError(
+                503, "the model is still loading", code="loading", headers={"Retry-After": "1"}
+            )
+        if self.aeng.dead:
+            raise APIError(503, f"the engine has stopped: {self.aeng.dead}", code="engine_dead")
+        return self.aeng
+
+    def health(self) -> tuple[int, dict]:
+        aeng = self.aeng
+        if aeng is None:
+            if self.load_error:
+                return 503, {"status": "failed", "error": self.load_error}
+            return 503, {"status": "loading"}
+        body = {
+            "status": "ok",
+            "model": self.loaded.name,
+            "failed_steps": aeng.num_failed_steps,
+            "running": aeng.num_running,
+            "waiting": aeng.num_waiting,
+        }
+        if aeng.dead:
+            return 503, {**body, "status": "dead", "error": aeng.dead}
+        return 200, body

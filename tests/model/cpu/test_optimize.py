@@ -1,0 +1,91 @@
+"""The CPU wing: a loaded model's modules swapped for CPU inference layouts, same function."""
+
+import pytest
+import torch
+
+from model import GPT, save_checkpoint
+from model.checkpoint import CheckpointError
+from model.config import ModelConfig
+from model.cpu import is_optimized_for_cpu, optimize_for_cpu
+from model.cpu.onednn_linear import OneDnnLinear
+from model.cpu.optimize import FusedMLP
+
+
+@pytest.mark.parametrize("tie, activation", [(True, "gelu"), (False, "gelu"), (True, "relu")])
+def test_optimized_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie, activation):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        vocab_size=101,
+        tie_embeddings=tie,
+        activation=activation,
+    )
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        before = model(idx)
+        n_params = model.num_params()
+        head_weight = model.lm_head.weight.clone()
+        assert optimize_for_cpu(model, threads=2) is model
+        layout = [type(m) for m in model.modules()]
+        optimize_for_cpu(model, threads=2)  # a second call changes nothing
+        assert [type(m) for m in model.modules()] == layout
+        after = model(idx)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    fused = OneDnnLinear.supports(torch.float32)  # c_fc then applies the activation itself
+    assert all(isinstance(b.mlp, FusedMLP) == fused for b in model.transformer.h)
+    assert is_optimized_for_cpu(model) and not model.training
+    for rows in (1, 3):  # the head's two forms: slabs for one row, oneDNN for more
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(model.lm_head(x), x @ head_weight.T, rtol=1e-5, atol=1e-5)
+    # slabs pad each matrix to a multiple of `parts` columns; only the head may be stored twice
+    extra = sum(p.numel() for p in model.parameters()) - n_params
+    head_copy = head_weight.numel() if OneDnnLinear.supports(torch.float32) else 0
+    assert head_copy <= extra < head_copy + 2 * 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_optimized_gpt_in_half_precision_matches_the_plain_one(dtype):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101)
+    model = GPT(cfg).to(dtype).eval()
+    idx = torch.randint(0, 101, (1, 7))
+    with torch.no_grad():
+        before = model(idx).float()
+        optimize_for_cpu(model, threads=2)
+        after = model(idx).float()
+    torch.testing.assert_close(after, before, rtol=2e-2, atol=2e-2)
+
+
+def test_an_optimized_model_refuses_to_be_saved(tmp_path):
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
+    save_checkpoint(model, tmp_path / "plain")  # fine before
+    assert not is_optimized_for_cpu(model)
+    optimize_for_cpu(model, threads=2)
+    with pytest.raises(CheckpointError, match="optimized for CPU inference"):
+        save_checkpoint(model, tmp_path / "packed")
+    assert not (tmp_path / "packed" / "model.safetensors").exists()
+
+
+def test_a_model_on_another_device_or_already_optimized_is_returned_unchanged():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101))
+    meta = model.to("meta")
+    assert optimize_for_cpu(meta) is meta and not is_optimized_for_cpu(meta)
+
+
+@pytest.mark.skipif(not OneDnnLinear.supports(torch.bfloat16), reason="no oneDNN bf16 here")
+def test_a_bfloat16_head_is_onednn_alone_and_a_tied_table_stays_an_embedding():
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=101)
+    model = GPT(cfg).to(torch.bfloat16).eval()
+    table = model.transformer.wte
+    idx = torch.randint(0, 101, (1, 7))
+    with torch.no_grad():
+        before = model(idx).float()
+        optimize_for_cpu(model, threads=2)
+        after = model(idx).float()
+    assert isinstance(model.lm_head, OneDnnLinear) and model.transformer.wte is table
+    torch.testing.assert_close(after, before, rtol=2e-2, atol=2e-2)
