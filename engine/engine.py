@@ -257,7 +257,7 @@ class Engine:
                 end = chunk.first_row + chunk.num_rows
                 self._score_prompt(req, seq.num_cached, logits[chunk.first_row : end])
             seq.num_cached += chunk.num_tokens
-            self.cache.register_full_blocks(seq.seq_id, seq.token_ids)
+            self.cache.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
             if not chunk.completes:
                 continue
             last = chunk.first_row + chunk.num_rows - 1
@@ -339,7 +339,7 @@ class Engine:
             if seq.params.logprobs is not None:
                 top = list(zip(out.top_ids[i], out.top_logprobs[i]))
                 lps.append(TokenLogprob(token, out.logprobs[i], top))
-        self.cache.register_full_blocks(seq.seq_id, seq.token_ids)
+        self.cache.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
         event = self._event(req, seq, emitted, text, lps, seq.finish_reason)
         if seq.finished:
             self._retire(req, seq)

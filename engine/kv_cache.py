@@ -10,7 +10,9 @@ tokens it holds. A new sequence takes the longest run of keyed full blocks that 
 prompt (`reuse_prefix`), then, token by token, the longest start of one more keyed block that
 follows the same blocks (a conversation's next turn diverges from the last inside a block: where
 the previous answer ended, or where its text re-tokenizes differently); that block is copied,
-since the sequence writes its own tokens after the match. It computes only the rest. Shared
+since the sequence writes its own tokens after the match. It computes only the rest. A
+sequence's cache salt (`reuse_prefix`, `register_full_blocks`) keeps its blocks apart from those
+of every other salt: see `engine.prefix_index`. Shared
 blocks are read only: a sequence writes only into blocks it holds alone, and one that would
 write into a shared block (the last, partly filled block of a prompt that n > 1 completions
 share) first gets a copy of its own.
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.block_pool import BlockAllocator, OutOfBlocks
-from engine.prefix_index import PrefixIndex
+from engine.prefix_index import PrefixIndex, salt_root
 from kernels.metadata import AttentionMetadata
 
 __all__ = ["BlockAllocator", "KVCache", "OutOfBlocks"]
@@ -163,9 +165,10 @@ class KVCache:
         self._lens[dst] = self._lens.get(src, 0)
         self.index.fork(src, dst)
 
-    def reuse_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def reuse_prefix(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Give a sequence with no blocks the cached blocks that match its tokens' prefix: whole
-        blocks, then a copy of the keyed block after them that matches the most tokens.
+        blocks, then a copy of the keyed block after them that matches the most tokens. A
+        salted sequence matches only blocks that sequences with the same salt computed.
 
         Returns how many tokens are now cached for it, always fewer than len(token_ids), so at
         least one token is left to compute (it gives the logits).
@@ -175,17 +178,18 @@ class KVCache:
         if not self.prefix_caching:
             return 0
         bs = self.block_size
-        keys, blocks = self.index.match_full_blocks(token_ids)
+        root = salt_root(salt)
+        keys, blocks = self.index.match_full_blocks(token_ids, root)
         for block in blocks:
             self.allocator.hold(block)
         start = len(blocks) * bs
         rest = token_ids[start : min(start + bs, len(token_ids) - 1)]
-        partial = self._partial_match(keys[-1] if keys else None, rest)
+        partial = self._partial_match(keys[-1] if keys else root, rest)
         if partial is not None:
             blocks.append(partial[0])
         self._tables[seq_id] = blocks
         self._lens[seq_id] = start + (partial[1] if partial else 0)
-        self.index.adopt(seq_id, keys)
+        self.index.adopt(seq_id, keys, root)
         return self._lens[seq_id]
 
     def _partial_match(self, parent: bytes | None, tokens: Sequence[int]) -> tuple[int, int] | None:
@@ -211,11 +215,15 @@ class KVCache:
         if self.prefix_caching:
             self.index.count_query(num_tokens, num_hit)
 
-    def register_full_blocks(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')."""
+    def register_full_blocks(
+        self, seq_id: int, token_ids: Sequence[int], salt: str | None = None
+    ) -> None:
+        """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')
+        under its cache salt (the one it gives `reuse_prefix`)."""
         if not self.prefix_caching:
             return
-        self.index.register(seq_id, self._tables.get(seq_id, []), self.seq_len(seq_id), token_ids)
+        table, length = self._tables.get(seq_id, []), self.seq_len(seq_id)
+        self.index.register(seq_id, table, length, token_ids, salt_root(salt))
 
     def audit(self) -> None:
         """Assert the pool's invariants (reference counts match the tables; see BlockAllocator)."""

@@ -7,6 +7,11 @@ the same way, with a key of its own kind, once the sequence lets go of it. Besid
 index keeps each keyed block's tokens under its parent's key and its first token, so a new prompt
 that diverges inside a block can still take the longest matching start of one (`best_partial`).
 
+A cache salt isolates tenants: the chain of a salted sequence starts from a root digested from
+its salt (`salt_root`) instead of from nothing, so its blocks are keyed, found and matched token
+by token only under that salt. Without this, how much of a prompt was cached (reported to the
+client, and visible in its time to first token) would tell one tenant what another had sent.
+
 The index holds no tensors: `engine.kv_cache.KVCache` owns the pools and the block tables and asks
 the index what to reuse and what to key.
 """
@@ -16,8 +21,17 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 
 from engine.block_pool import BlockAllocator
+
+
+@lru_cache(maxsize=1024)
+def salt_root(salt: str | None) -> bytes | None:
+    """The parent key of a salted sequence's first block (None: unsalted, the shared chain)."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(salt.encode("utf-8"), digest_size=16, person=b"cache-salt").digest()
 
 
 def block_key(parent: bytes | None, tokens: Sequence[int], partial: bool = False) -> bytes:
@@ -37,6 +51,7 @@ class PrefixIndex:
         self.allocator = allocator
         self.block_size = block_size
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> key of each of its full blocks
+        self._roots: dict[int, bytes] = {}  # seq_id -> its salt's root (absent: unsalted)
         self._tails: dict[int, tuple[int, ...]] = {}  # seq_id -> tokens in its partial block
         self._tokens: dict[bytes, tuple[int, ...]] = {}  # a keyed block's tokens, by its key
         # keys of the keyed blocks after a parent key, by their first token (insertion order, so
@@ -47,14 +62,16 @@ class PrefixIndex:
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def match_full_blocks(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
-        """Keys and pool blocks of the longest run of cached full blocks that starts token_ids,
-        leaving at least one token uncovered."""
+    def match_full_blocks(
+        self, token_ids: Sequence[int], root: bytes | None = None
+    ) -> tuple[list[bytes], list[int]]:
+        """Keys and pool blocks of the longest run of cached full blocks under `root` (a salt's,
+        or None) that starts token_ids, leaving at least one token uncovered."""
         bs = self.block_size
         keys: list[bytes] = []
         blocks: list[int] = []
         for i in range((len(token_ids) - 1) // bs):
-            key = block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs])
+            key = block_key(keys[-1] if keys else root, token_ids[i * bs : (i + 1) * bs])
             block = self.allocator.lookup(key)
             if block is None:
                 break
@@ -86,14 +103,26 @@ class PrefixIndex:
     def keys_of(self, seq_id: int) -> list[bytes]:
         return self._keys.get(seq_id, [])
 
+    def _parent(self, seq_id: int, keys: list[bytes]) -> bytes | None:
+        """The parent key of the block after `keys`, the sequence's keys so far."""
+        return keys[-1] if keys else self._roots.get(seq_id)
+
     # ---- a sequence's keys -----------------------------------------------------------------
 
-    def adopt(self, seq_id: int, keys: list[bytes]) -> None:
-        """A sequence starts with the keys of the cached blocks it reused."""
+    def adopt(self, seq_id: int, keys: list[bytes], root: bytes | None = None) -> None:
+        """A sequence starts with the keys of the cached blocks it reused, under its root."""
         self._keys[seq_id] = keys
+        self._set_root(seq_id, root)
+
+    def _set_root(self, seq_id: int, root: bytes | None) -> None:
+        if root is None:
+            self._roots.pop(seq_id, None)
+        else:
+            self._roots[seq_id] = root
 
     def fork(self, src: int, dst: int) -> None:
         self._keys[dst] = list(self._keys.get(src, []))
+        self._set_root(dst, self._roots.get(src))
         if src in self._tails:
             self._tails[dst] = self._tails[src]
 
@@ -104,16 +133,24 @@ class PrefixIndex:
     def drop(self, seq_id: int) -> None:
         self._keys.pop(seq_id, None)
         self._tails.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
 
     def register(
-        self, seq_id: int, table: Sequence[int], seq_len: int, token_ids: Sequence[int]
+        self,
+        seq_id: int,
+        table: Sequence[int],
+        seq_len: int,
+        token_ids: Sequence[int],
+        root: bytes | None = None,
     ) -> None:
-        """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')."""
+        """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')
+        under its salt's root."""
         keys = self._keys.setdefault(seq_id, [])
+        self._set_root(seq_id, root)
         bs = self.block_size
         known = min(seq_len, len(token_ids))  # a finished sequence may know fewer
         for i in range(len(keys), known // bs):
-            parent = keys[-1] if keys else None
+            parent = self._parent(seq_id, keys)
             tokens = token_ids[i * bs : (i + 1) * bs]
             keys.append(block_key(parent, tokens))
             self.allocator.set_key(table[i], keys[-1])
@@ -128,7 +165,7 @@ class PrefixIndex:
             return
         if len(table) != len(keys) + 1 or self.allocator.ref(table[-1]) != 1:
             return
-        parent = keys[-1] if keys else None
+        parent = self._parent(seq_id, keys)
         key = block_key(parent, tail, partial=True)
         self.allocator.set_key(table[-1], key)
         if self.allocator.lookup(key) == table[-1]:

@@ -51,6 +51,9 @@ class SamplingParams:
     n: int = 1
     # structured output: a `engine.grammar.Constraint` at its start; each sequence follows a copy
     constraint: Any = None
+    # prefix cache isolation: prompts share cached KV blocks only with prompts of the same salt
+    # (None: the shared, unsalted chain); not a sampling choice, but it travels with the request
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise SamplingError naming the first bad field; returns self."""
@@ -110,6 +113,11 @@ class SamplingParams:
                 f"must be between 0 and {MAX_LOGPROBS}",
             )
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be >= 1")
+        check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+            "cache_salt",
+            "must be a non-empty string",
+        )
         return self
 
     @property

@@ -106,7 +106,8 @@ class Scheduler:
             seq = self.waiting[0]
             # prompt logprobs need every prompt position computed: such requests reuse nothing
             if not self.cache.holds(seq.seq_id) and seq.params.prompt_logprobs is None:
-                seq.num_cached = self.cache.reuse_prefix(seq.seq_id, seq.token_ids)
+                salt = seq.params.cache_salt
+                seq.num_cached = self.cache.reuse_prefix(seq.seq_id, seq.token_ids, salt)
             n = min(seq.pending, budget)
             need = self.cache.blocks_needed(seq.seq_id, n)
             free = self.cache.num_free_blocks - reserved  # reused blocks are no longer free
