@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-POS_ENCODINGS = ("learned", "sinusoidal")
+POS_ENCODINGS = ("learned", "sinusoidal", "rotary")
 NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("gelu", "relu")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "relu", "swiglu")
 
 
 class ConfigError(ValueError):
@@ -22,7 +23,15 @@ class ModelConfig:
 
     pos_encoding: "learned" (GPT-2 `wpe`) or "sinusoidal" (fixed, no parameters).
     norm_position: "pre" (GPT-2: x + f(LN(x)), final LN) or "post" ("Add & Norm": LN(x + f(x))).
-    activation: "gelu" (tanh approximation, as GPT-2) or "relu".
+    activation: "gelu" (tanh approximation, as GPT-2) or "relu"; "swiglu" is Llama's gated MLP,
+        down(silu(gate(x)) * up(x)), with gate and up stored as one `c_fc` of 2 * mlp_width rows.
+
+    The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) is these fields, not another model:
+    pos_encoding "rotary" (rope_theta, and rope_scaling {"rope_type": "llama3", ...}), norm
+    "rmsnorm", activation "swiglu", n_kv_head < n_head for grouped-query attention, head_size
+    when heads are not n_embd // n_head wide, qkv_bias (Qwen2) and qk_norm (Qwen3: RMSNorm of
+    each query and key head before the rotation), bias False, tie_embeddings as the checkpoint.
+    q, k and v are one `c_attn` of (n_head + 2 * n_kv_head) * head_dim rows, q first.
     """
 
     vocab_size: int = 50257
@@ -37,7 +46,15 @@ class ModelConfig:
     norm_position: str = "pre"
     activation: str = "gelu"
     layer_norm_eps: float = 1e-5
-    tokenizer: str = "gpt2"
+    tokenizer: str = "gpt2"  # "gpt2" (tiktoken) or "hf": the checkpoint's own tokenizer.json
+    norm: str = "layernorm"
+    n_kv_head: int | None = None  # None: n_head (no grouping)
+    head_size: int | None = None  # None: n_embd // n_head
+    intermediate_size: int | None = None  # the MLP's width; None: 4 * n_embd
+    qkv_bias: bool | None = None  # None: as `bias`
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -49,15 +66,46 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: each serves n_head // kv_heads query heads."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
+
+    @property
+    def attn_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     def validate(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
+        for name in ("n_kv_head", "head_size", "intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        if self.head_size is None and self.n_embd % self.n_head != 0:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.kv_heads != 0:
+            raise ConfigError(
+                f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.kv_heads})"
+            )
+        if self.norm not in NORMS:
+            raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.pos_encoding == "rotary" and self.head_dim % 2 != 0:
+            raise ConfigError(f"rotary positions need an even head dim, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("default", "llama3"):
+                raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.pos_encoding not in POS_ENCODINGS:

@@ -1,0 +1,54 @@
+"""Rotary position embeddings in Hugging Face's half-rotation layout.
+
+A head's channels are two halves (x1, x2); position p turns each pair (x1[i], x2[i]) by the angle
+p * inv_freq[i]: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1). That is the layout
+of Llama, Mistral and Qwen checkpoints as transformers stores them (GGUF files store Q and K rows
+interleaved instead; their loader undoes that permutation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rotary_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """(head_dim // 2,) float32 angular frequencies, with Llama 3's long-context rescaling when
+    `scaling` is {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    # long wavelengths are slowed by `factor`, short ones kept, the band between blended
+    smooth = ((old_len / wavelen) - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > old_len / low, inv / factor, inv)
+    middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(middle, blended, out)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) positions -> cos, sin of shape (N, head_dim), computed in float32, cast to dtype."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (N, hd/2)
+    emb = torch.cat([angles, angles], dim=-1)  # (N, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., N, H, hd) by cos/sin (N, hd) of each token's position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
