@@ -8,39 +8,37 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from engine.engine import Engine, EngineConfig, RequestError
+from engine.loader import ModelLoadError, load_for_inference
 from engine.sampler import SamplingError, SamplingParams
-from model import DEFAULT_MODEL_DIR, CheckpointError, get_tokenizer, load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.cpu.malloc_tuning import retain_freed_memory
-from model.quantize import QUANTIZATIONS, QuantizeError, check_quantization, quantize
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from model import DEFAULT_MODEL_DIR
+from model.dtypes import DTYPES
+from model.quantize import QUANTIZATIONS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n")[0])
-    p.add_argument("prompt", help="the text to continue")
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint directory")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--n", type=int, default=1, help="completions, printed one after another")
-    p.add_argument("--echo", action="store_true", help="print the prompt before the completion")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument(
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n")[0])
+    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint directory")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--n", type=int, default=1, help="completions, printed one after another")
+    parser.add_argument(
+        "--echo", action="store_true", help="print the prompt before the completion"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument(
         "--quantize", default="none", choices=QUANTIZATIONS,
         help="int8: weight-only int8 for the layer matrices and the head (see python -m server)",
     )  # fmt: skip
-    return p.parse_args(argv)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,16 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop, n=args.n,
     )  # fmt: skip
     try:
-        dtype = DTYPES[args.dtype]
-        check_quantization(args.quantize, args.device, dtype)
-        retain_freed_memory()
-        model = load_checkpoint(args.model, device=args.device, dtype=dtype)
-        model = optimize_for_cpu(quantize(model, args.quantize))
-        tokenizer = get_tokenizer(model.config.tokenizer)
-        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
+        loaded = load_for_inference(
+            args.model, device=args.device, dtype=args.dtype, quantization=args.quantize
+        )
+        tokenizer = loaded.tokenizer
+        engine = Engine(loaded.model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
         prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
-    except (CheckpointError, QuantizeError, SamplingError, RequestError, RuntimeError) as exc:
+    except (ModelLoadError, SamplingError, RequestError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     texts: dict[int, list[str]] = {i: [] for i in range(args.n)}

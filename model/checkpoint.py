@@ -18,7 +18,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import ConfigError, ModelConfig
-from model.cpu import is_optimized_for_cpu
 from model.gpt import GPT
 
 CONFIG_FILE = "config.json"
@@ -40,11 +39,7 @@ def save_checkpoint(
     model: GPT, path: str | Path, extra_files: dict[str, str] | None = None
 ) -> None:
     """Write config.json and model.safetensors into directory `path`, each atomically."""
-    if is_optimized_for_cpu(model):
-        raise CheckpointError(
-            "this model was optimized for CPU inference (model.cpu.optimize_for_cpu); save the "
-            "model as loaded or trained instead"
-        )
+    _check_plain_weights(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {
@@ -57,6 +52,22 @@ def save_checkpoint(
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(config_text))
     for name, text in (extra_files or {}).items():
         atomic_write(path / name, lambda tmp, t=text: Path(tmp).write_text(t))
+
+
+def _check_plain_weights(model: GPT) -> None:
+    """Refuse a model whose layers were swapped for inference, before anything is written.
+
+    A checkpoint holds a GPT's own weights: dense floating-point tensors of at most two
+    dimensions. The CPU wing's layouts (oneDNN's opaque tensors, 3-D slabs) and int8 weights are
+    none of these, and `load_checkpoint` could not read them back.
+    """
+    for name, tensor in model.state_dict().items():
+        if tensor.layout != torch.strided or not tensor.is_floating_point() or tensor.dim() > 2:
+            raise CheckpointError(
+                f"this model's layers were swapped for inference ({name} is not a plain weight): "
+                "it was optimized for CPU inference (model.cpu.optimize_for_cpu) or quantized "
+                "(model.quantize); save the model as loaded or trained instead"
+            )
 
 
 def atomic_write(target: Path, write: Callable[[str], object]) -> None:

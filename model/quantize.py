@@ -18,8 +18,8 @@ What the product supports in PyTorch 2.13, and what follows here:
   arithmetic beyond a few rows: from `MANY_ROWS` rows on, the weights are dequantized for the
   call and multiplied by the ordinary product instead (`python bench/cpu_parts.py` measures both).
 
-The model is for inference only afterwards (no gradients); `save_checkpoint` writes what it is
-given, so save the model as loaded, not a quantized one.
+The model is for inference only afterwards (no gradients), and `save_checkpoint` refuses it:
+save the model as loaded, not a quantized one.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import sys
 
 import uvicorn
 
-from model.cpu.malloc_tuning import retain_freed_memory
 from server.app import create_app
 from server.runtime import ModelLoadError, preflight
 from server.settings import Settings, SettingsError, settings_from_args
@@ -50,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the port is taken, the address is not this machine's, ...
         print(f"error: cannot bind {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2
-    retain_freed_memory()  # a process-wide malloc setting: the entry point's to make
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
-from model import GPT, Tokenizer, get_tokenizer, load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.quantize import QuantizeError, check_quantization, quantize
+from engine.loader import ModelLoadError, check_load, load_for_inference
+from model import GPT
+from model.tokenizer import TextTokenizer
 from server.chat import ChatTemplate
 from server.errors import APIError
 from server.metrics import Metrics
@@ -28,31 +26,17 @@ from server.validation import Validator
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(RuntimeError):
-    """The checkpoint cannot be served; the message is one line for the user."""
-
 
 @dataclass
 class LoadedModel:
+    """What the server serves: the loaded model, the name it answers to, its chat template."""
+
     model: GPT
-    tokenizer: Tokenizer
+    tokenizer: TextTokenizer
     name: str
     template: ChatTemplate
     path: Path
     draft: GPT | None = None  # the draft model of speculative decoding (--draft-model)
-
-
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("--device cuda was asked for but CUDA is not available")
-    if dtype == "auto":
-        return torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32
-    return torch.device(device), _DTYPES[dtype]
 
 
 def preflight(settings: Settings) -> None:
@@ -66,41 +50,22 @@ def preflight(settings: Settings) -> None:
                 f"no --model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
             )
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
-    device, dtype = resolve_device(settings.device, settings.dtype)
-    try:
-        check_quantization(settings.quantize, device, dtype)
-    except QuantizeError as exc:
-        raise ModelLoadError(str(exc)) from None
+    check_load(settings.device, settings.dtype, settings.quantize)
 
 
 def load_model(settings: Settings) -> LoadedModel:
-    """Load the checkpoint, its tokenizer and chat template; raises ModelLoadError."""
+    """Load the checkpoint (engine.loader), then its chat template; raises ModelLoadError."""
     preflight(settings)
-    path = settings.model_path
-    device, dtype = resolve_device(settings.device, settings.dtype)
+    loaded = load_for_inference(
+        settings.model_path, device=settings.device, dtype=settings.dtype,
+        quantization=settings.quantize, draft_path=settings.draft_model,
+    )  # fmt: skip
     try:
-        model = load_checkpoint(path, device=device, dtype=dtype)
-        model = optimize_for_cpu(quantize(model, settings.quantize))
-        draft = None
-        if settings.draft_model is not None:
-            draft = load_checkpoint(settings.draft_model, device=device, dtype=dtype)
-            draft = optimize_for_cpu(quantize(draft, settings.quantize))
-        tokenizer = get_tokenizer(model.config.tokenizer)
-        template = ChatTemplate.for_checkpoint(path)
+        template = ChatTemplate.for_checkpoint(loaded.path)
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
-    if draft is not None and draft.config.tokenizer != model.config.tokenizer:
-        raise ModelLoadError(
-            f"the draft model's tokenizer {draft.config.tokenizer!r} is not the model's "
-            f"{model.config.tokenizer!r}"
-        )
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ModelLoadError(
-            f"the model's vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
-            f"{tokenizer.vocab_size}"
-        )
-    name = settings.served_model_name or path.resolve().name
-    return LoadedModel(model, tokenizer, name, template, path, draft)
+    name = settings.served_model_name or loaded.name
+    return LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
 
 
 class ServerState:

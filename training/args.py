@@ -16,8 +16,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from model.dtypes import DTYPES
 from training.checkpointing import STATE_FILE, read_saved_flags
-from training.config import ARCH_KEYS, DTYPES, PATH_KEYS, TrainConfig, field_names, flag
+from training.config import ARCH_KEYS, PATH_KEYS, TrainConfig, field_names, flag
 from training.errors import TrainError
 
 

@@ -6,8 +6,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from model import ConfigError, ModelConfig
 from training.errors import TrainError
 
@@ -21,7 +19,6 @@ ARCH_KEYS = (
     "activation",
     "norm_position",
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATH_KEYS = ("data", "out", "cache_dir", "init_from")
 POSITIVE_KEYS = (
     "max_steps",

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from model import get_tokenizer
 from model.cpu.malloc_tuning import retain_freed_memory
+from model.dtypes import DTYPES
 from training.checkpointing import (
     BEST_DIR,
     STATE_FILE,
@@ -23,7 +24,7 @@ from training.checkpointing import (
     save_served,
     set_rng_state,
 )
-from training.config import ARCH_KEYS, DTYPES, TrainConfig
+from training.config import ARCH_KEYS, TrainConfig
 from training.data import BatchSampler, prepare_data, split_tokens
 from training.distributed import (
     Dist,

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from model import GPT, CheckpointError, ConfigError, ModelConfig, load_checkpoint
+from model.dtypes import DTYPES
 from training.checkpointing import STATE_FILE
-from training.config import DTYPES, TrainConfig, arch
+from training.config import TrainConfig, arch
 from training.distributed import Dist
 from training.errors import TrainError
 

@@ -27,7 +27,6 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.deployment import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model.cpu.malloc_tuning import retain_freed_memory
 from server.app import create_app
 from server.runtime import ServerState
 from server.settings import API_KEYS_ENV, Settings, SettingsError
@@ -165,7 +164,6 @@ def replica_id() -> str:
 def replica_app(settings: Settings) -> FastAPI:
     """The replica's app: `create_app` with the keys in this process's environment added, and a
     header that names the replica on every response."""
-    retain_freed_memory()  # a process-wide malloc setting: each replica's process is an entry
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

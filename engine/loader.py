@@ -1,0 +1,135 @@
+"""From a checkpoint directory to a model the engine can serve: the one loading pipeline.
+
+The server (`server.runtime`), the offline CLI (`python -m engine`), each Ray replica and the
+benchmarks all load through `load_for_inference`, which runs these steps in this order:
+
+1. device and dtype: "auto" picks CUDA when there is one, bfloat16 there and float32 on a CPU;
+2. the quantization is checked against them before anything loads (`check_load`), so a bad
+   combination is one error at once rather than after a long load;
+3. glibc malloc keeps freed memory (`model.cpu.malloc_tuning`), before the weights are allocated;
+4. the checkpoint loads in that device and dtype;
+5. `prepare_for_inference`: quantization first, then the CPU wing (`optimize_for_cpu`), which
+   leaves int8 layers as they are (`quantize` refuses to run after it);
+6. the tokenizer the checkpoint names, and the optional draft model of speculative decoding
+   through the same steps, which must use the same tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.cpu import optimize_for_cpu
+from model.cpu.malloc_tuning import retain_freed_memory
+from model.dtypes import DTYPES
+from model.gpt import GPT
+from model.quantize import QuantizeError, check_quantization, quantize, weight_bytes
+from model.tokenizer import TextTokenizer, load_tokenizer
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ModelLoadError(RuntimeError):
+    """The checkpoint cannot be served as asked; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """A checkpoint loaded and prepared for the engine."""
+
+    model: GPT
+    tokenizer: TextTokenizer
+    name: str  # the checkpoint directory's name
+    path: Path
+    device: torch.device
+    dtype: torch.dtype  # of the activations (and of the weights unless quantized)
+    quantization: str
+    weight_bytes: int  # the weights as served, each matrix once (before the CPU wing's layouts)
+    draft: GPT | None = None  # the draft model of speculative decoding
+
+
+def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The device and dtype "auto" (or a name) stands for; raises ModelLoadError."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but CUDA is not available")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {device!r}; choose from {DEVICES}") from None
+    if dtype == "auto":
+        return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return resolved, DTYPES[dtype]
+
+
+def check_load(
+    device: str = "auto", dtype: str = "auto", quantization: str = "none"
+) -> tuple[torch.device, torch.dtype]:
+    """The checks that need no loading: the device, the dtype, and the quantization with both.
+    Returns the resolved device and dtype; raises ModelLoadError."""
+    resolved, torch_dtype = resolve_device(device, dtype)
+    try:
+        check_quantization(quantization, resolved, torch_dtype)
+    except QuantizeError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return resolved, torch_dtype
+
+
+def prepare_for_inference(model: GPT, quantization: str = "none") -> GPT:
+    """Quantize a loaded model, then give it the CPU wing's layouts (on a CPU); in place.
+
+    The order matters: the CPU wing leaves int8 layers as they are, and `quantize` refuses a
+    model that already has the CPU layouts. The model can no longer be trained or saved.
+    """
+    return optimize_for_cpu(quantize(model, quantization))
+
+
+def load_for_inference(
+    path: str | Path,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    quantization: str = "none",
+    draft_path: str | Path | None = None,
+) -> InferenceModel:
+    """Load a checkpoint (ours or a Hugging Face GPT-2 directory) ready to serve; raises
+    ModelLoadError with a one-line message."""
+    path = Path(path)
+    resolved, torch_dtype = check_load(device, dtype, quantization)
+    retain_freed_memory()  # process-wide; before the weights are allocated
+    try:
+        model = quantize(load_checkpoint(path, device=resolved, dtype=torch_dtype), quantization)
+        size = weight_bytes(model)
+        model = optimize_for_cpu(model)
+        draft = None
+        if draft_path is not None:
+            draft = load_checkpoint(draft_path, device=resolved, dtype=torch_dtype)
+            draft = prepare_for_inference(draft, quantization)
+        tokenizer = load_tokenizer(model.config.tokenizer, path)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise ModelLoadError(_first_line(exc)) from None
+    if draft is not None and draft.config.tokenizer != model.config.tokenizer:
+        raise ModelLoadError(
+            f"the draft model's tokenizer {draft.config.tokenizer!r} is not the model's "
+            f"{model.config.tokenizer!r}"
+        )
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ModelLoadError(
+            f"the model's vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size}"
+        )
+    return InferenceModel(
+        model=model, tokenizer=tokenizer, name=path.resolve().name, path=path, device=resolved,
+        dtype=torch_dtype, quantization=quantization, weight_bytes=size, draft=draft,
+    )  # fmt: skip
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else repr(exc)
