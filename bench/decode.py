@@ -40,13 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine.engine as engine_module  # noqa: E402
 from bench.decode_speculative import speculative_rows  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import (  # noqa: E402
+    ModelLoadError,
+    check_load,
+    load_for_inference,
+    prepare_for_inference,
+)
 from engine.sampler import SamplingParams  # noqa: E402
-from model import GPT, get_tokenizer, load_checkpoint  # noqa: E402
-from model.cpu import optimize_for_cpu  # noqa: E402
+from model import GPT, load_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from model.quantize import QUANTIZATIONS, check_quantization, quantize, weight_bytes  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from model.dtypes import DTYPES  # noqa: E402
+from model.quantize import QUANTIZATIONS  # noqa: E402
 
 
 @dataclass
@@ -171,16 +175,15 @@ class Served:
 
 def serve(row: Row, checkpoint: str, device: str, num_blocks: int) -> Served:
     """Load the checkpoint as `python -m server` would with the row's flags; build its engine."""
-    dtype = DTYPES[row.dtype]
-    check_quantization(row.quantize, device, dtype)
-    model = quantize(load_checkpoint(checkpoint, device=device, dtype=dtype), row.quantize)
-    size = weight_bytes(model)  # as served, each matrix once (the CPU head layouts keep two)
-    model = optimize_for_cpu(model)
+    loaded = load_for_inference(
+        checkpoint, device=device, dtype=row.dtype, quantization=row.quantize
+    )
     draft = None
     if row.draft is not None:
-        draft = optimize_for_cpu(quantize(row.draft(checkpoint, device), row.quantize))
+        draft = prepare_for_inference(row.draft(checkpoint, device), row.quantize)
     config = EngineConfig(max_num_seqs=32, kv_block_size=16, num_blocks=num_blocks, **row.config)
-    return Served(row, Engine(model, get_tokenizer(), config, draft_model=draft), size)
+    engine = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
+    return Served(row, engine, loaded.weight_bytes)  # each matrix once, as served
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -217,8 +220,8 @@ def main() -> None:
         rows = [ROWS[r] for r in args.rows.split(",")]
     try:
         for row in rows:
-            check_quantization(row.quantize, dev, DTYPES[row.dtype])
-    except ValueError as exc:
+            check_load(dev, row.dtype, row.quantize)
+    except ModelLoadError as exc:
         p.exit(2, f"error: {exc}\n")
 
     retain_freed_memory()

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.engine import Engine, EngineConfig
+from engine.loader import prepare_for_inference
 from engine.sampler import SamplingParams
 from model import GPT, get_tokenizer, load_checkpoint
-from model.cpu import optimize_for_cpu
 from model.quantize import weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,12 +102,12 @@ def speculative_rows(rounds: int, num_tokens: int = 4) -> None:
     size = weight_bytes(loaded)
 
     def engine(config: EngineConfig, draft: GPT | None = None) -> Engine:
-        model = optimize_for_cpu(copy.deepcopy(loaded))  # the CPU wing swaps modules in place
+        model = prepare_for_inference(copy.deepcopy(loaded))  # swaps modules in place
         return Engine(model, tok, config, draft_model=draft)
 
     plain_config = EngineConfig(max_num_seqs=4)
     spec_config = dataclasses.replace(plain_config, num_speculative_tokens=num_tokens)
-    draft = optimize_for_cpu(first_layers(loaded, 1))
+    draft = prepare_for_inference(first_layers(loaded, 1))
     sides = [
         Side("plain", engine(plain_config)),
         Side("ngram", engine(dataclasses.replace(spec_config, speculative="ngram"))),

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import prepare_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from model import (  # noqa: E402
     DEFAULT_MODEL_DIR,  # noqa: E402
@@ -37,9 +38,7 @@ from model import (  # noqa: E402
     get_tokenizer,
     load_checkpoint,
 )
-from model.cpu import optimize_for_cpu  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from model.quantize import quantize  # noqa: E402
 from training.data import split_tokens, tokenize_cached  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +108,7 @@ def main() -> None:
     results = {}
     for label, (dtype, method) in FORMATS.items():
         t0 = time.perf_counter()
-        model = optimize_for_cpu(quantize(load_checkpoint(args.model, dtype=dtype), method))
+        model = prepare_for_inference(load_checkpoint(args.model, dtype=dtype), method)
         texts = greedy(model, prompts, args.new_tokens, together=True)
         results[label] = (*evaluate(model, windows), texts)
         if label == "fp32":  # the floor: the same weights, another batching, other roundings

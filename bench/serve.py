@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import load_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
-from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint  # noqa: E402
-from model.cpu import optimize_for_cpu  # noqa: E402
+from model import GPT, ModelConfig, get_tokenizer, save_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -64,9 +64,9 @@ class Offline:
     server run."""
 
     def __init__(self, path: Path, max_tokens: int) -> None:
-        self.tok = get_tokenizer()
-        model = optimize_for_cpu(load_checkpoint(path))  # as `python -m server` loads it
-        self.engine = Engine(model, self.tok, EngineConfig(max_num_seqs=32))
+        loaded = load_for_inference(path, device="cpu")  # as `python -m server` loads it
+        self.tok = loaded.tokenizer
+        self.engine = Engine(loaded.model, self.tok, EngineConfig(max_num_seqs=32))
         self.ids = self.tok.encode(PROMPT)
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
         self.runs = 0

@@ -55,9 +55,9 @@ from engine.grammar import (  # noqa: E402
     fill_bitmask,
     grammar_vocab,
 )
+from engine.loader import prepare_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from model import GPT, ModelConfig, get_tokenizer  # noqa: E402
-from model.cpu import optimize_for_cpu  # noqa: E402
 
 ORDER_SCHEMA = {
     "type": "object",
@@ -423,7 +423,7 @@ def engine_bench(args: argparse.Namespace) -> None:
     config = ModelConfig(n_layer=4, n_head=4, n_embd=256) if args.small else ModelConfig()
     model = GPT(config)
     n_params = model.num_params()
-    model = optimize_for_cpu(model)
+    model = prepare_for_inference(model)
     tok = get_tokenizer("gpt2")
     widths = [int(x) for x in args.streams.split(",")]
     engine = Engine(model, tok, EngineConfig(max_num_seqs=max(widths), kv_block_size=16))
