@@ -55,6 +55,9 @@ _SCALE_HELP = {
     "num_cpus": "CPUs each replica reserves (also its torch threads)",
     "num_gpus": "GPUs each replica reserves",
     "load_timeout": "seconds a replica may take to load the checkpoint",
+    "health_check_period_s": "seconds between Ray's health checks of a running replica",
+    "health_check_timeout_s": "seconds a health check may take before it counts as failed "
+    "(3 failures in a row: the replica is replaced)",
     "metrics_interval": "seconds between copies of a replica's metrics into Ray's",
 }
 

@@ -3,8 +3,9 @@
 Each replica serves the app that `create_app` builds (the same routes, errors, API keys,
 streaming and playground as `python -m server`) with its own engine thread, and names itself in
 an `x-gptserve-replica` response header. A replica is healthy once its model serves: its first
-health check waits for the load, and a failed load or a dead engine fails the check, so Ray
-replaces the replica. Each replica's Prometheus registry is copied into Ray's metrics every few
+health check waits for the load, and afterwards every check gives `/health`'s verdict (a failed
+load or a dead engine is a 503), so Ray replaces a replica that stops serving even while its
+process lives on. Each replica's Prometheus registry is copied into Ray's metrics every few
 seconds (`MetricsMirror`), tagged with the deployment, replica and application.
 
 `server.ray.cli` builds applications from this module (`serve run`, config files, its CLI).
@@ -39,12 +40,18 @@ REPLICA_HEADER = "x-gptserve-replica"
 
 @dataclass(frozen=True)
 class ScaleOptions:
-    """How many replicas, what each one reserves, and when Ray adds or removes one.
+    """How many replicas, what each one reserves, when Ray adds or removes one, and how it
+    tells a broken one.
 
     Without `num_replicas` the deployment autoscales between `min_replicas` and `max_replicas`
     on queue depth: Ray's ongoing requests per replica (those a replica is answering, running
     or waiting in its engine, plus those queued for it in the proxy) against
     `target_ongoing_requests`.
+
+    A replica's first health check waits up to `load_timeout` for its checkpoint (Ray sets no
+    limit of its own on a replica's start). After that Ray calls the check every
+    `health_check_period_s`; one that raises, or takes longer than `health_check_timeout_s`, counts
+    as failed, and three failures in a row get the replica replaced.
     """
 
     num_replicas: int | None = None  # a fixed count; None: autoscale
@@ -58,6 +65,8 @@ class ScaleOptions:
     num_cpus: float = 1.0  # per replica; Ray sets OMP_NUM_THREADS (torch's threads) from it
     num_gpus: float = 0.0  # per replica
     load_timeout: float = 600.0  # seconds a replica may take to load its checkpoint
+    health_check_period_s: float = 10.0  # seconds between Ray's health checks of a replica
+    health_check_timeout_s: float = 30.0  # a check that takes longer counts as failed
     metrics_interval: float = 5.0  # seconds between copies of the registry into Ray's metrics
 
     def validate(self) -> ScaleOptions:
@@ -69,7 +78,8 @@ class ScaleOptions:
         if self.min_replicas > self.max_replicas:
             raise SettingsError("min_replicas must not be above max_replicas")
         for name in ("target_ongoing_requests", "max_ongoing_requests", "look_back_period_s",
-                     "load_timeout", "metrics_interval"):  # fmt: skip
+                     "load_timeout", "health_check_period_s", "health_check_timeout_s",
+                     "metrics_interval"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be > 0")
         for name in ("upscale_delay_s", "downscale_delay_s", "num_cpus", "num_gpus"):
@@ -84,6 +94,8 @@ class ScaleOptions:
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "graceful_shutdown_timeout_s": settings.shutdown_grace,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
         }
         if self.num_replicas is not None:
             options["num_replicas"] = self.num_replicas
@@ -103,15 +115,20 @@ class ScaleOptions:
 SCALE_FIELDS = tuple(f.name for f in fields(ScaleOptions))
 
 
-def deployment(settings: Settings, options: ScaleOptions) -> Application:
-    """The gptserve deployment for these settings, bound and ready for `serve.run`."""
+def deployment(
+    settings: Settings, options: ScaleOptions, *, replica_class: type[Replica] | None = None
+) -> Application:
+    """The gptserve deployment for these settings, bound and ready for `serve.run`.
+
+    `replica_class` replaces `Replica` with a subclass of it (the tests inject faults that way).
+    """
     settings.validate()
     options.validate()
 
     def build_asgi_app() -> FastAPI:  # called in each replica, after Replica.__init__
         return replica_app(settings)
 
-    ingress = serve.ingress(build_asgi_app)(Replica)
+    ingress = serve.ingress(build_asgi_app)(replica_class or Replica)
     return serve.deployment(ingress, **options.deployment_options(settings)).bind(options)
 
 

@@ -3,8 +3,9 @@
 
 Requests spread over both replicas (each response names its replica), the OpenAI routes, errors,
 keys and playground answer through the proxy, streams and disconnect-aborts work through it, each
-replica's metrics reach Ray's, a killed replica is replaced while a stream on the other goes on,
-and an autoscaled deployment adds a replica under queue depth. Skipped without Ray installed.
+replica's metrics reach Ray's, a killed replica is replaced while a stream on the other goes on, a
+replica whose process lives but whose health check fails is replaced too, and an autoscaled
+deployment adds a replica under queue depth. Skipped without Ray installed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,13 +51,22 @@ from server.ray.deployment import (  # noqa: E402
     DEPLOYMENT_NAME,
     REPLICA_HEADER,
     MetricsMirror,
+    Replica,
     ScaleOptions,
     deployment,
+    replica_id,
     wait_loaded,
 )
 from server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV, OpenAIErrors  # noqa: E402
 from server.settings import Settings, SettingsError  # noqa: E402
 from tests.server.conftest import API_KEY, free_port, wait_for_server  # noqa: E402
+
+try:  # the request header that sets the proxy's timeout for one request (Ray 2.x)
+    from ray.serve._private.constants import (  # noqa: E402
+        SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER as TIMEOUT_HEADER,
+    )
+except ImportError:
+    TIMEOUT_HEADER = None
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -210,6 +220,22 @@ def test_app_args_become_settings_and_scale_options(tmp_path: Path) -> None:
     for bad in ({"nope": 1}, {"min_replicas": 3, "max_replicas": 2}, {"max_num_seqs": "many"},
                 {"num_replicas": 0}, {"max_num_seqs": 0}, {"num_cpus": "lots"}):  # fmt: skip
         with pytest.raises(SettingsError):
+            parse_app_args(bad)
+
+
+def test_health_check_timing_reaches_the_deployment() -> None:
+    settings, options = parse_app_args({
+        "health_check_period_s": "2", "health_check_timeout_s": "90", "shutdown_grace": "12",
+    })  # fmt: skip
+    deploy = options.deployment_options(settings)
+    assert deploy["health_check_period_s"] == 2.0 and deploy["health_check_timeout_s"] == 90.0
+    assert deploy["graceful_shutdown_timeout_s"] == 12.0
+    defaults = ScaleOptions().deployment_options(Settings())  # Ray's own defaults
+    assert (defaults["health_check_period_s"], defaults["health_check_timeout_s"]) == (10.0, 30.0)
+    _, cli_options, _ = parse_cli(["--health-check-timeout-s", "45"])
+    assert cli_options.health_check_timeout_s == 45.0
+    for bad in ({"health_check_period_s": 0}, {"health_check_timeout_s": "-1"}):
+        with pytest.raises(SettingsError, match="must be > 0"):
             parse_app_args(bad)
 
 
@@ -391,10 +417,8 @@ def test_requests_spread_over_both_replicas(cluster: Cluster, headers: dict) -> 
     assert replicas_answering(cluster.url, headers, ids, timeout=60) == ids
 
 
-def test_routes_errors_keys_and_playground_through_the_proxy(
-    cluster: Cluster, headers: dict
-) -> None:
-    openai = pytest.importorskip("openai")
+def test_the_openai_client_through_the_proxy(cluster: Cluster) -> None:
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=API_KEY, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny-gpt"]
     out = client.completions.create(model="tiny-gpt", prompt="Hi", max_tokens=5, temperature=0)
@@ -404,13 +428,21 @@ def test_routes_errors_keys_and_playground_through_the_proxy(
     )
     assert chat.choices[0].message.role == "assistant"
 
-    def error(r: httpx.Response, status: int, code: str | None, param: str | None = None) -> None:
-        assert r.status_code == status, r.text
-        assert r.headers["content-type"].startswith("application/json")
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"}
-        assert (err["code"], err["param"]) == (code, param)
 
+def assert_openai_error(
+    r: httpx.Response, status: int, code: str | None, param: str | None = None
+) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["code"], err["param"]) == (code, param)
+
+
+def test_routes_errors_keys_and_playground_through_the_proxy(
+    cluster: Cluster, headers: dict
+) -> None:
+    error = assert_openai_error
     url = f"{cluster.url}/v1/completions"
     error(httpx.post(url, json={"prompt": "x"}), 401, "invalid_api_key")
     error(httpx.post(url, json={"prompt": "x", "max_tokens": -1}, headers=headers), 400, None,
@@ -421,18 +453,21 @@ def test_routes_errors_keys_and_playground_through_the_proxy(
     error(httpx.post(url, content=b"{not json", headers=bad_json), 400, None)
     error(httpx.post(url, content=b"x" * 30_000, headers=bad_json), 413, "request_too_large")
     error(httpx.get(f"{cluster.url}/nowhere"), 404, "not_found")
-    # an error the proxy answers itself (here its per-request timeout) has the same shape
-    slow = {"prompt": "x", "max_tokens": LONG, "ignore_eos": True}
-    r = httpx.post(url, json=slow, headers={**headers, "x-request-timeout-seconds": "0.2"})
-    if r.status_code == 200:
-        pytest.skip("this Ray has no per-request timeout header")
-    error(r, 408, "timeout")
 
     health = httpx.get(f"{cluster.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     page = httpx.get(f"{cluster.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "gptserve_generation_tokens_total" in httpx.get(f"{cluster.url}/metrics").text
+
+
+@pytest.mark.skipif(TIMEOUT_HEADER is None, reason="this Ray has no per-request timeout header")
+def test_an_error_of_the_proxy_itself_has_the_openai_shape(cluster: Cluster, headers: dict) -> None:
+    """The proxy's own per-request timeout answers a 408 in OpenAI's shape, not plain text."""
+    slow = {"prompt": "x", "max_tokens": LONG, "ignore_eos": True}
+    r = httpx.post(f"{cluster.url}/v1/completions", json=slow,
+                   headers={**headers, TIMEOUT_HEADER: "0.2"}, timeout=60)  # fmt: skip
+    assert_openai_error(r, 408, "timeout")
 
 
 def test_stream_and_disconnect_abort_through_the_proxy(cluster: Cluster, headers: dict) -> None:
@@ -526,6 +561,84 @@ def test_killed_replica_is_replaced_and_the_other_keeps_streaming(
     (newcomer,) = set(replica_actors()) - {survivor}
     seen = replicas_answering(cluster.url, headers, {survivor, newcomer}, timeout=60)
     assert seen == {survivor, newcomer}
+
+
+def replica_that_falls_sick(marker_dir: Path) -> type[Replica]:
+    """A Replica whose engine thread dies of an injected fault once the file `marker_dir/<its
+    replica id>` exists: its process lives on and answers, but `/health` and so Ray's health
+    check fail. (Defined in a function so that Ray ships the class by value to the replicas.)"""
+
+    def injected_fault() -> bool:
+        raise RuntimeError("injected fault")
+
+    class FallsSick(Replica):
+        async def check_health(self) -> None:
+            if self.loaded and (marker_dir / replica_id()).exists():
+                self.state.aeng.engine.has_work = injected_fault  # the engine loop's next turn
+            await super().check_health()
+
+    return FallsSick
+
+
+def first_response(
+    ask: Callable[[], httpx.Response], wanted: Callable[[httpx.Response], bool], timeout: float
+) -> httpx.Response:
+    """The first answer of `ask()` that is `wanted`, asking every 0.1 s for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = ask()
+        if wanted(r):
+            return r
+        time.sleep(0.1)
+    raise AssertionError(f"no wanted answer in {timeout:g} s; the last: {r.status_code} {r.text}")
+
+
+def test_a_replica_that_fails_its_health_check_is_replaced(
+    cluster: Cluster, long_checkpoint: Path, headers: dict, tmp_path: Path
+) -> None:
+    """Not a dead process: a replica whose engine has died keeps running and answering, and
+    only its failing health checks tell Ray to replace it. Requests then succeed again."""
+    settings = Settings(model=str(long_checkpoint), api_keys=[API_KEY], max_num_seqs=4,
+                        shutdown_grace=2)  # fmt: skip
+    options = ScaleOptions(num_replicas=1, num_cpus=0.25, health_check_period_s=1,
+                           health_check_timeout_s=5, metrics_interval=0.5)  # fmt: skip
+    app = deployment(settings, options, replica_class=replica_that_falls_sick(tmp_path))
+    serve.run(app, name="sick", route_prefix="/sick")
+    try:
+        base = f"{cluster.url}/sick"
+        body = {"prompt": "Hi", "max_tokens": 3}
+        (victim,) = replica_actors("sick")
+
+        def complete() -> httpx.Response:
+            return httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=30)
+
+        # serves first (the proxy may take a moment to learn the new route)
+        r = first_response(complete, lambda r: r.status_code == 200, timeout=30)
+        assert r.headers[REPLICA_HEADER] == victim
+
+        (tmp_path / victim).touch()  # its next health check breaks its engine
+        # the sick replica says so itself, from a process that still answers
+        sick = first_response(lambda: httpx.get(f"{base}/health", timeout=10),
+                              lambda r: r.status_code != 200, timeout=30)  # fmt: skip
+        assert sick.status_code == 503 and sick.headers[REPLICA_HEADER] == victim
+        assert sick.json()["status"] == "dead" and "injected fault" in sick.json()["error"]
+
+        def replaced() -> bool:
+            now = replica_actors("sick")
+            return len(now) == 1 and victim not in now and running_replicas("sick") == 1
+
+        # three failed checks a second apart, a 2 s drain, and a new replica's load
+        assert wait_until(replaced, timeout=DEPLOY_TIMEOUT), f"replicas: {replica_actors('sick')}"
+        (newcomer,) = replica_actors("sick")
+        for _ in range(3):
+            r = complete()
+            assert r.status_code == 200, r.text
+            assert r.headers[REPLICA_HEADER] == newcomer
+            assert r.json()["usage"]["completion_tokens"] == 3
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        serve.delete("sick")
 
 
 def test_autoscaling_adds_a_replica_under_queue_depth(
