@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.engine as engine_module  # noqa: E402
 from bench.decode_speculative import speculative_rows  # noqa: E402
+from bench.host import print_host  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import (  # noqa: E402
     ModelLoadError,
@@ -208,6 +209,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_host()
     dev, new = args.device, args.new_tokens
     if args.dtype or args.quantize:
         dtype, method = args.dtype or "float32", args.quantize or "none"
@@ -243,21 +245,28 @@ def main() -> None:
     for s in served:
         run_engine(s.engine, [prompts[0]], 4, dev)
 
-    # single stream: every side in turn, each keeps its best
+    # single stream: every side in turn, each keeps its best; every figure is printed as it is
+    # measured, and the table follows at the end
+    print("\nas measured (tok/s):", flush=True)
     hf_s, hf_tokens = float("inf"), []
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         secs, hf_tokens = time_hf(hf, hf_prompt, new, dev)
         hf_s = min(hf_s, secs)
+        print(f"  round {r + 1}  {'transformers generate() fp32':30}{new / secs:8.1f}", flush=True)
         for s in served:
             secs, out = run_engine(s.engine, prompts[:1], new, dev)
             s.single_s, s.tokens = min(s.single_s, secs), out["0"]
             s.round_s.append(secs)
+            print(f"  round {r + 1}  {'gptserve ' + s.row.label + ' x1':30}{new / secs:8.1f}",
+                  flush=True)  # fmt: skip
     concurrency = [int(x) for x in args.concurrency.split(",")]
     for s in served:
         s.rates[1] = new / s.single_s
         for c in concurrency:
             if c > 1:
                 s.rates[c] = c * new / run_engine(s.engine, prompts[:c], new, dev)[0]
+                print(f"  {'':9}{'gptserve ' + s.row.label + f' x{c}':30}{s.rates[c]:8.1f}",
+                      flush=True)  # fmt: skip
         s.breakdown = step_breakdown(s.engine, prompts[0], new, dev)
 
     hf_rate = new / hf_s

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.host import print_host  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import prepare_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
@@ -96,6 +97,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--new-tokens", type=int, default=32)
     args = p.parse_args()
+    print_host()
     retain_freed_memory()
     config = ModelConfig.from_dict(json.loads((Path(args.model) / "config.json").read_text()))
     val = held_out(Path(args.data), config.block_size)

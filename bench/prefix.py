@@ -30,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.host import print_host  # noqa: E402
 from bench.serve import free_port, start_server  # noqa: E402
 from model import GPT, ModelConfig, get_tokenizer, save_checkpoint  # noqa: E402
 
@@ -130,6 +131,7 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--n-head", type=int, default=12)
     args = p.parse_args()
+    print_host()
     system, users = workload(args.system_tokens, args.conversations + 1, args.turns)
     users, alone = users[:-1], users[-1][:2]  # the last: two turns by itself, after the rest
     with tempfile.TemporaryDirectory() as tmp:

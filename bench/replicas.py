@@ -35,6 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.host import print_host  # noqa: E402
 from bench.serve import free_port, start_server  # noqa: E402
 from model import GPT, ModelConfig, save_checkpoint  # noqa: E402
 
@@ -138,6 +139,7 @@ def main() -> None:
         help="every server's, alike (default: the Ray deployment's; 1 streams every token)",
     )  # fmt: skip
     args = p.parse_args()
+    print_host()
     cores = os.cpu_count() or 1
     tmp = None
     path = args.model

@@ -29,6 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.host import print_host  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
@@ -160,6 +161,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds for the ratio")
     args = p.parse_args()
+    print_host()
     tmp = None
     path = args.model
     if path is None:

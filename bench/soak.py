@@ -35,6 +35,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.host import print_host  # noqa: E402
+
 RSS_GROWTH_LIMIT = 0.10  # after warm-up, growth above this fraction counts as a leak
 
 
@@ -302,6 +304,7 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--log", default=None, help="server log file (default: in a temp dir)")
     args = p.parse_args()
+    print_host(bandwidth=False)  # the load's figures are latencies and memory
     if args.warmup is None:
         args.warmup = args.duration / 4
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
 
 import engine.engine as engine_module  # noqa: E402
+from bench.host import print_host  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.grammar import (  # noqa: E402
     POOL_THREADS,
@@ -419,6 +420,7 @@ def timed_parts(engine: Engine, totals: dict[str, float]) -> Iterator[None]:
 def engine_bench(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_host()
     torch.manual_seed(0)
     config = ModelConfig(n_layer=4, n_head=4, n_embd=256) if args.small else ModelConfig()
     model = GPT(config)
@@ -513,6 +515,7 @@ def main() -> None:
     if args.engine:
         engine_bench(args)
         return
+    print_host(bandwidth=False)  # the masks run on llguidance's threads, not torch's
     tok = get_tokenizer("gpt2")
     print(f"llguidance (engine/grammar.py), GPT-2 vocabulary, pool of {POOL_THREADS} threads")
     ours(tok, args.steps)

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.host import print_host  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from training.step import LossModule, make_optimizer, train_step  # noqa: E402
@@ -186,6 +187,9 @@ def main() -> None:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = args.device == "cpu"
+    if args.threads:  # as each side's process sets it, for the host line
+        torch.set_num_threads(args.threads)
+    print_host(bandwidth=cpu)
     cfg = model_config()
     tokens_per_step = args.batch_size * cfg.block_size
     dtypes = ["float32"] if cpu else ["bfloat16"]

