@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.engine import Engine
+from engine.limits import EngineLimits
 from engine.sampler import SamplingParams
 from engine.sequence import TokenEvent
 
@@ -28,20 +29,6 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What the engine can take, fixed once it is built: the request boundary checks these."""
-
-    max_model_len: int  # context length: prompt + generated tokens
-    vocab_size: int  # the model's (token ids, logit_bias keys, stop_token_ids below it)
-    kv_block_size: int  # tokens per KV cache block
-    kv_cache_blocks: int  # blocks in the whole pool
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return self.kv_cache_blocks * self.kv_block_size
 
 
 @dataclass(frozen=True)
@@ -169,12 +156,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = engine = self._build()
-            self.limits = EngineLimits(
-                max_model_len=engine.max_len,
-                vocab_size=engine.model.config.vocab_size,
-                kv_block_size=engine.config.kv_block_size,
-                kv_cache_blocks=engine.cache.num_blocks,
-            )
+            self.limits = EngineLimits.of(engine)
         except BaseException as exc:
             self._build_error = exc
             return

@@ -15,6 +15,7 @@ import torch
 
 from engine.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
 from engine.kv_cache import KVCache
+from engine.limits import EngineLimits, RequestError, RequestLimits
 from engine.proposers import make_speculator
 from engine.sampler import SampleRow, SamplingParams, prompt_logprobs, sample
 from engine.scheduler import Scheduler
@@ -24,15 +25,6 @@ from model.gpt import GPT
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `param` names the field at fault, `code` the kind."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass
@@ -128,30 +120,9 @@ class Engine:
         self.scheduler.add(seqs[0])
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError or SamplingError if the request can never run; reads no mutable state."""
-        vocab = self.model.config.vocab_size
-        params.validate(vocab)
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        if any(not (0 <= t < vocab) for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_len} tokens; the request "
-                f"asks for {len(prompt_ids)} prompt tokens plus {params.max_tokens} to generate",
-                param="max_tokens" if len(prompt_ids) < self.max_len else "prompt",
-                code="context_length_exceeded",
-            )
-        need = -(-total // self.config.kv_block_size)
-        if need > self.cache.num_blocks:
-            pool_tokens = self.cache.num_blocks * self.config.kv_block_size
-            raise RequestError(
-                f"the request needs {need} KV cache blocks ({total} tokens) but the pool has "
-                f"{self.cache.num_blocks} ({pool_tokens} tokens); ask for fewer tokens",
-                param="max_tokens" if len(prompt_ids) < pool_tokens else "prompt",
-                code="kv_cache_exceeded",
-            )
+        """Raise RequestError or SamplingError if the request can never run (engine.limits); a
+        temperature too small to divide by becomes greedy. Reads no engine state that changes."""
+        RequestLimits(EngineLimits.of(self)).check_request(prompt_ids, params)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once; False if it is unknown or finished."""

@@ -9,10 +9,12 @@ engine; the engine's own check behind it is a guard, not a second source of erro
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from engine.async_engine import EngineLimits
 from engine.grammar import (
     Constraint,
     ConstraintKind,
@@ -20,6 +22,7 @@ from engine.grammar import (
     compile_constraint,
     grammar_vocab,
 )
+from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
 from engine.sampler import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
 from server.chat import ChatTemplate
@@ -36,8 +39,6 @@ from server.protocol import (
 from server.settings import Settings
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# A temperature this small is greedy (as in vLLM): logits / 1e-300 overflow float32 to inf/nan.
-MIN_TEMPERATURE = 1e-5
 # older vLLM's top-level fields, each the same as a key of structured_outputs
 GUIDED_FIELDS: tuple[tuple[str, ConstraintKind], ...] = (
     ("guided_json", "json"),
@@ -73,6 +74,15 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
+@contextmanager
+def limit_as_400() -> Iterator[None]:
+    """A request limit's violation (engine.limits) as a 400 naming the field."""
+    try:
+        yield
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param, code=exc.code) from None
+
+
 def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
     """Text -> ids; the empty string becomes [end-of-text] (GPT-2 has no BOS token)."""
     try:
@@ -98,6 +108,15 @@ class Validator:
         # the grammar engine's view of the vocabulary (0.15 s for GPT-2): built here, at startup,
         # rather than on the first structured-output request
         grammar_vocab(self.tokenizer, self.limits.vocab_size)
+
+    @functools.cached_property
+    def request_limits(self) -> RequestLimits:
+        """The engine's limits with this server's caps on one request."""
+        s = self.settings
+        return RequestLimits(
+            self.limits, max_n=s.max_n, max_tokens=s.max_tokens_limit,
+            max_prompt_tokens=s.max_prompt_tokens, max_logprobs=s.max_logprobs,
+        )  # fmt: skip
 
     # ---- endpoints ------------------------------------------------------------------------
 
@@ -214,30 +233,8 @@ class Validator:
     def _check_fits(self, ids: list[int], max_tokens: int, prompt: str, tokens: str) -> None:
         """The prompt within --max-prompt-tokens, prompt + max_tokens within the context and
         within the whole KV pool; `prompt` and `tokens` name the two fields."""
-        n, limit = len(ids), self.settings.max_prompt_tokens
-        if limit is not None and n > limit:
-            raise bad_request(
-                f"the prompt has {n} tokens; this server accepts at most {limit}",
-                prompt,
-                code="prompt_too_long",
-            )
-        total, context = n + max_tokens, self.limits.max_model_len
-        if total > context:
-            raise bad_request(
-                f"this model's maximum context length is {context} tokens; the request asks for "
-                f"{n} prompt tokens plus {max_tokens} to generate",
-                tokens if n < context else prompt,
-                code="context_length_exceeded",
-            )
-        pool, blocks = self.limits.kv_cache_tokens, self.limits.kv_cache_blocks
-        if total > pool:
-            need = -(-total // self.limits.kv_block_size)
-            raise bad_request(
-                f"the request needs {need} KV cache blocks ({total} tokens) but the pool has "
-                f"{blocks} ({pool} tokens); ask for fewer tokens",
-                tokens if n < pool else prompt,
-                code="kv_cache_exceeded",
-            )
+        with limit_as_400():
+            self.request_limits.check_fits(len(ids), max_tokens, prompt, tokens)
 
     # ---- sampling -------------------------------------------------------------------------
 
@@ -252,19 +249,12 @@ class Validator:
         return req.stream_options.include_usage
 
     def _logprobs_within_limit(self, value: int, param: str) -> None:
-        limit = self.settings.max_logprobs
-        if not 0 <= value <= limit:
-            raise bad_request(f"{param} must be between 0 and {limit}", param)
+        with limit_as_400():
+            self.request_limits.check_logprobs(value, param)
 
     def _max_tokens(self, value: int | None, default: int, param: str) -> int:
-        limit = self.settings.max_tokens_limit
-        if value is None:
-            return default if limit is None else min(default, limit)
-        if value < 0:
-            raise bad_request(f"{param} must be >= 0", param)
-        if limit is not None and value > limit:
-            raise bad_request(f"{param} is limited to {limit}", param)
-        return value
+        with limit_as_400():
+            return self.request_limits.max_tokens_or_default(value, default, param)
 
     def _sampling_params(
         self,
@@ -276,10 +266,10 @@ class Validator:
     ) -> SamplingParams:
         """The fields both endpoints share -> SamplingParams, within the limits and the
         sampler's ranges."""
-        s, vocab = self.settings, self.limits.vocab_size
+        vocab = self.limits.vocab_size
         n = 1 if req.n is None else req.n
-        if not 1 <= n <= s.max_n:
-            raise bad_request(f"n must be between 1 and {s.max_n}", "n")
+        with limit_as_400():
+            self.request_limits.check_n(n)
         top_k = 0 if req.top_k is None else req.top_k
         if top_k >= vocab:
             top_k = 0  # keeping the whole vocabulary is no truncation
@@ -306,9 +296,7 @@ class Validator:
             params.validate(vocab)
         except SamplingError as exc:
             raise bad_request(f"{exc.param} {exc.message}", exc.param) from None
-        if 0 < params.temperature < MIN_TEMPERATURE:
-            params.temperature = 0.0
-        return params
+        return snap_tiny_temperature(params)
 
     # ---- structured output ----------------------------------------------------------------
 

@@ -72,3 +72,11 @@ def test_errors_are_one_line(tiny_dir, args, message):
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.count("\n") == 1
     assert "Traceback" not in out.stderr
+
+
+def test_a_tiny_temperature_is_greedy_as_over_http(tiny_dir):
+    """engine.limits snaps a temperature too small to divide by to 0, offline too."""
+    tiny = _run("--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "1e-300")
+    greedy = _run("--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "0")
+    assert tiny.returncode == 0, tiny.stderr
+    assert tiny.stdout == greedy.stdout
