@@ -38,7 +38,7 @@ def flash_case(B: int, H: int, T: int, D: int, dtype: torch.dtype) -> dict:
     """Times (ms) of ours and SDPA-flash, forward and forward+backward, plus the max difference."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.flash import triton_flash_attention
+    from kernels.triton.flash import triton_flash_attention
 
     q, k, v = (
         torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
@@ -112,7 +112,7 @@ def bench_paged(
     batches, contexts, n_head=16, head_dim=128, page=16, max_tokens=4 << 20
 ) -> list[dict]:
     from kernels.metadata import AttentionMetadata
-    from kernels.paged import triton_paged_attention
+    from kernels.triton.paged import triton_paged_attention
 
     dtype = torch.float16
     copy_gbs = copy_bandwidth_gbs()

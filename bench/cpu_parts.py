@@ -9,7 +9,7 @@
    layout alone.
 2. Decode attention for 1 and 32 sequences of 150-192 tokens over 12 layers: each sequence's
    keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`), and
-   those groups against head-major pools read in place (`kernels.paged_decode_cpu`).
+   those groups against head-major pools read in place (`kernels.cpu.decode`).
 3. A decode step of the Engine with 32 sequences, in two fresh processes: glibc's default
    allocator against the tuned one (model.cpu.malloc_tuning), which parts 1 and 2 run with.
 4. Reduced precision (`--dtype bfloat16`, `--quantize int8`): the layer matrices and the head
@@ -29,7 +29,6 @@ The two sides of a row run in alternation and each keeps its best, so the machin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import subprocess
 import sys
@@ -44,12 +43,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
-import kernels.cpu_products as cpu_products  # noqa: E402
-import kernels.paged_decode_cpu as paged_decode_cpu  # noqa: E402
-import kernels.prefill_cpu as prefill_cpu  # noqa: E402
+import kernels.cpu.cascade as cpu_cascade  # noqa: E402
+import kernels.cpu.decode as cpu_decode  # noqa: E402
+import kernels.cpu.products as cpu_products  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from kernels.backends import CpuPagedBackend  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
@@ -127,16 +126,16 @@ def attention_rows(batch: int) -> list[Row]:
     token_major = [(cache.k[i].contiguous(), cache.v[i].contiguous()) for i in range(12)]
     default_group = sdpa_paged.GROUP_BYTES
 
-    def gather(one_group: bool) -> None:  # one step: the first layer builds the plan
+    def gather(one_group: bool) -> None:  # one step: its plan, then every layer
         sdpa_paged.GROUP_BYTES = 1 << 40 if one_group else default_group
-        meta = dataclasses.replace(step)  # a fresh step, no plan yet
+        plan = sdpa_paged.plan_gather(step, 16, 12, 64, 4)
         for k, v in token_major:
-            sdpa_paged.paged_attention_sdpa(q, k, v, meta)
+            sdpa_paged.paged_attention_sdpa(q, k, v, step, plan=plan)
 
     def in_place() -> None:
-        meta = dataclasses.replace(step)
+        plan = cpu_decode.plan_decode(step, 16, 12)
         for i in range(12):
-            paged_decode_cpu.decode_attention_cpu(q, cache.k[i], cache.v[i], meta)
+            cpu_decode.decode_attention_cpu(q, cache.k[i], cache.v[i], step, plan=plan)
 
     label = f"decode attention, {batch} seq x 12 layers"
     rows = []
@@ -173,8 +172,9 @@ def shared_prefix_rows(batch: int = 8, shared: int = 64, private: int = 20) -> l
 
     def step(k: torch.Tensor, v: torch.Tensor, table: list[list[int]]) -> None:
         meta = AttentionMetadata.build(table, lens, [1] * batch, block_size=16)
+        plan = cpu_decode.plan_decode(meta, 16, 12)
         for layer in range(12):
-            paged_decode_cpu.decode_attention_cpu(q, k[layer], v[layer], meta)
+            cpu_decode.decode_attention_cpu(q, k[layer], v[layer], meta, plan=plan)
 
     label = f"decode attention, {batch} seqs sharing {shared * 16}"
     times = alternate(lambda: step(k_spread, v_spread, spread),
@@ -186,7 +186,7 @@ def prefill_rows(shared: int = 64) -> list[Row]:
     """Prefill attention of a chat's second turn (as `bench/prefix.py` sees it): 7 sequences
     continue one cached prefix of `shared` blocks with ~70 tokens of their own history each and
     19-58 new tokens, over 12 layers: each sequence's keys gathered for one SDPA call
-    (`kernels.sdpa_paged`) against the prefix read once for all of them (`kernels.prefill_cpu`)."""
+    (`kernels.sdpa_paged`) against the prefix read once for all of them (`kernels.cpu.cascade`)."""
     torch.manual_seed(0)
     new = [19, 26, 36, 54, 55, 58, 54]
     lens = [shared * 16 + 67 + 2 * i + n for i, n in enumerate(new)]
@@ -197,13 +197,15 @@ def prefill_rows(shared: int = 64) -> list[Row]:
     q = torch.randn(sum(new), 12, 64)
     step = AttentionMetadata.build(tables, lens, new, block_size=16)
 
-    def attend(cascade: bool) -> None:
-        meta = dataclasses.replace(step)  # a fresh step, no plan yet
-        for layer in range(12):
-            if cascade:
-                prefill_cpu.prefill_attention_cpu(q, k[layer], v[layer], meta)
-            else:
-                sdpa_paged.paged_attention_sdpa(q, k[layer], v[layer], meta)
+    def attend(cascade: bool) -> None:  # one step: its plan, then every layer
+        if cascade:
+            plan = cpu_cascade.plan_cascade(step, 16)
+            for layer in range(12):
+                cpu_cascade.prefill_attention_cpu(q, k[layer], v[layer], step, plan=plan)
+        else:
+            plan = sdpa_paged.plan_gather(step, 16, 12, 64, 4)
+            for layer in range(12):
+                sdpa_paged.paged_attention_sdpa(q, k[layer], v[layer], step, plan=plan)
 
     label = f"prefill attention, 7 seqs sharing {shared * 16}"
     times = alternate(lambda: attend(False), lambda: attend(True))
@@ -214,7 +216,7 @@ def prefill_rows(shared: int = 64) -> list[Row]:
 def prefill_step_row(new: list[int], lens: list[int], shared: int) -> Row:
     """The same step through the whole model (GPT-2 124M, CPU wing): the KV cache holds a
     shared prefix and each sequence's history; the step's new tokens are taken back after each
-    run. The dispatch's cascade check is switched off for the "before" side."""
+    run. The "before" side's cache backend has the cascade switched off."""
     torch.manual_seed(0)
     model = optimize_for_cpu(GPT(ModelConfig(block_size=2048)).eval())
     cache = KVCache.for_model(model, shared + 16 * len(new), 16)
@@ -232,12 +234,8 @@ def prefill_step_row(new: list[int], lens: list[int], shared: int) -> Row:
         forward([(i, n - m - shared * 16)])
 
     def step(cascade: bool) -> None:
-        check = kernels.shares_prefix
-        kernels.shares_prefix = check if cascade else lambda meta, bs: False
-        try:
-            forward([(i, m) for i, m in enumerate(new, start=1)])
-        finally:
-            kernels.shares_prefix = check
+        cache.backend = CpuPagedBackend(cascade=cascade)  # the same pool layout either way
+        forward([(i, m) for i, m in enumerate(new, start=1)])
         for i, (n, m) in enumerate(zip(lens, new), start=1):
             cache.truncate(i, n - m)
 
@@ -247,7 +245,7 @@ def prefill_step_row(new: list[int], lens: list[int], shared: int) -> Row:
 
 def score_product_row(rows: int, keys: int) -> Row:
     """One layer's shared score products, (rows, 64) x (64, keys) for 12 heads: PyTorch's
-    float32 matmul (MKL) against oneDNN's (`kernels.cpu_products.product_nt`); the last column
+    float32 matmul (MKL) against oneDNN's (`kernels.cpu.products.product_nt`); the last column
     is the rate in GFLOP/s rather than GB/s."""
     q, k = torch.randn(12, rows, 64), torch.randn(12, keys, 64)
     times = alternate(lambda: torch.matmul(q, k.transpose(1, 2)),
@@ -449,8 +447,8 @@ def main() -> None:
         print(f"{name:40s} {change:28s} {before:10.1f} {after:9.1f} {before / after:8.2f}x {rate}")
     print(
         "\nslabs: PackedLinear; engine's: oneDNN's layout (the head: slabs for one row); "
-        "groups: gather + SDPA in cache-sized groups; in place: kernels.paged_decode_cpu; "
-        "cascade: kernels.prefill_cpu (the scores row's last column: GFLOP/s); "
+        "groups: gather + SDPA in cache-sized groups; in place: kernels.cpu.decode; "
+        "cascade: kernels.cpu.cascade (the scores row's last column: GFLOP/s); "
         "fp32/bf16: the Engine's layouts; int8: model.quantize.Int8Linear"
     )
 

@@ -12,7 +12,7 @@ least recently released first.
 
 Free blocks go out earliest in `order` first, which keeps the blocks in use packed at the front
 of the pool, so CPU decode attention can read them as one run, in place
-(`kernels.paged_decode_cpu`).
+(`kernels.cpu.decode`).
 """
 
 from __future__ import annotations

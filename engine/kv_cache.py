@@ -26,7 +26,8 @@ import torch
 
 from engine.block_pool import BlockAllocator, OutOfBlocks
 from engine.prefix_index import PrefixIndex, salt_root
-from kernels.metadata import AttentionMetadata
+from kernels.backends import AttentionBackend, KVSpec, select_attention_backend
+from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
 
 __all__ = ["BlockAllocator", "KVCache", "OutOfBlocks"]
 
@@ -34,9 +35,9 @@ __all__ = ["BlockAllocator", "KVCache", "OutOfBlocks"]
 class KVCache:
     """Key and value pools indexed (n_layer, num_blocks, block_size, n_head, head_dim).
 
-    `k` and `v` have that shape, but each (block, head) is stored as one contiguous
-    (block_size, head_dim) tile: `k.transpose(2, 3)` is contiguous. Kernels take strides, and CPU
-    decode attention multiplies those tiles where they lie.
+    `k` and `v` have that shape whatever their layout in memory, which is the attention backend's
+    (`kernels.backends`): chosen once here, from the device and dtype unless one is given. A
+    step's attention goes through it: `plan(meta)` once, then `attend(layer, ...)` per layer.
     """
 
     def __init__(
@@ -50,12 +51,13 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         block_order: Sequence[int] | None = None,
         prefix_caching: bool = True,
+        backend: AttentionBackend | None = None,
     ) -> None:
-        stored = (n_layer, num_blocks, n_head, block_size, head_dim)
-        self.k = torch.zeros(stored, device=device, dtype=dtype).transpose(2, 3)
-        self.v = torch.zeros(stored, device=device, dtype=dtype).transpose(2, 3)
-        self.block_size = block_size
         self.device = torch.device(device)
+        self.spec = KVSpec(n_layer, num_blocks, block_size, n_head, head_dim, dtype, self.device)
+        self.backend = backend or select_attention_backend(self.device, dtype)
+        self.k, self.v = self.backend.allocate(self.spec)
+        self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, block_order)
         self.prefix_caching = prefix_caching
         self._tables: dict[int, list[int]] = {}
@@ -72,6 +74,7 @@ class KVCache:
         dtype: torch.dtype | None = None,
         block_order: Sequence[int] | None = None,
         prefix_caching: bool = True,
+        backend: AttentionBackend | None = None,
     ) -> KVCache:
         """A cache shaped for `model` (its config's layers and heads), on its device and dtype."""
         p = next(model.parameters())
@@ -79,7 +82,7 @@ class KVCache:
         return cls(
             c.n_layer, c.n_head, c.head_dim, num_blocks, block_size,
             device=device or p.device, dtype=dtype or p.dtype,
-            block_order=block_order, prefix_caching=prefix_caching,
+            block_order=block_order, prefix_caching=prefix_caching, backend=backend,
         )  # fmt: skip
 
     @staticmethod
@@ -265,10 +268,18 @@ class KVCache:
         self.allocator.free([table[i]])
         table[i] = block
 
+    def plan(self, meta: AttentionMetadata) -> AttentionPlan:
+        """The backend's plan of the step `meta` describes, for every layer's `attend`."""
+        return self.backend.plan(meta, self.spec)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        """Store one layer's new keys/values (N, H, D) at the step's slots, then attend the new
+        tokens' queries (N, H, D) over their sequences' cache: (N, H, D)."""
+        return self.backend.forward(q, k, v, self.k[layer], self.v[layer], plan)
+
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys/values (N, H, D) at the step's slots (`meta.slot_mapping`)."""
-        slots = meta.slot_mapping
-        bs = self.block_size
-        where = meta.plan("kv_write", lambda: (slots // bs, slots % bs))  # (block, offset)
-        self.k[layer].index_put_(where, k.to(self.k.dtype))
-        self.v[layer].index_put_(where, v.to(self.v.dtype))
+        at = KVWrite.of(meta, self.block_size)
+        self.backend.write(self.k[layer], self.v[layer], k, v, at)

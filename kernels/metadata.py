@@ -1,10 +1,11 @@
-"""One engine step's attention metadata: the packed batch as every paged-attention backend reads it.
+"""One engine step's attention metadata, and what a backend derives from it for every layer.
 
-The KV cache builds one `AttentionMetadata` per step (`engine.kv_cache.KVCache.prepare`) and the model
-hands the same object to every layer's attention. A backend that derives something from the batch
-layout alone (which blocks to read, masks, splits) builds it on the first layer with `plan` and
-every later layer of the step reuses it; the plan dies with the step's metadata. Nothing is
-global, so two engines in one process, or two threads, never see each other's plans.
+The KV cache builds one `AttentionMetadata` per step (`engine.kv_cache.KVCache.prepare`): the
+packed batch as every paged-attention backend reads it. The model asks the cache for the step's
+plan once (`PagedKV.plan`): its backend turns the metadata into a typed `AttentionPlan` (which
+blocks to read, masks, splits, where the new keys go) that every layer of the step then reads.
+Nothing is global and nothing is cached on the metadata, so two engines in one process, or two
+threads, never see each other's plans.
 
 The lengths are also kept on the host (`seq_lens`, `query_lens`), so no backend has to read a
 device tensor back to learn how many decodes lead the batch or how long the longest context is.
@@ -12,14 +13,14 @@ device tensor back to learn how many decodes lead the batch or how long the long
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol, TypeVar
+from itertools import accumulate
+from typing import Protocol
 
 import torch
-
-Plan = TypeVar("Plan")
 
 
 @dataclass
@@ -41,7 +42,6 @@ class AttentionMetadata:
     query_start: torch.Tensor
     seq_lens: list[int]
     query_lens: list[int]
-    plans: dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # by name
 
     @property
     def num_seqs(self) -> int:
@@ -74,12 +74,6 @@ class AttentionMetadata:
         """(B,) index of each sequence's last new token in the packed batch."""
         return self.query_start[1:].long() - 1
 
-    def plan(self, name: str, build: Callable[[], Plan]) -> Plan:
-        """The step's plan called `name`, built by the first caller and kept for the step."""
-        if name not in self.plans:
-            self.plans[name] = build()
-        return self.plans[name]
-
     def split(self, n: int) -> tuple[AttentionMetadata, AttentionMetadata]:
         """The first n sequences and the rest, each as metadata of its own (tokens re-based)."""
         t = sum(self.query_lens[:n])
@@ -105,41 +99,86 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Metadata for sequences whose last query_lens[i] of context_lens[i] tokens are new.
 
-        tables[i] lists sequence i's pool blocks in order and must cover its context.
+        tables[i] lists sequence i's pool blocks in order and must cover its context. Positions
+        and slots come from tensor ops over the whole batch: the Python work is per sequence.
         """
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        for table, length, n_new in zip(tables, context_lens, query_lens, strict=True):
+        if not len(tables) == len(context_lens) == len(query_lens) > 0:
+            raise ValueError("tables, context_lens and query_lens must be as long, and not empty")
+        for table, length, n_new in zip(tables, context_lens, query_lens):
             if not 0 < n_new <= length or len(table) * block_size < length:
                 raise ValueError(f"bad sequence: {n_new} new of {length} in {len(table)} blocks")
-            for p in range(length - n_new, length):
-                positions.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-            starts.append(starts[-1] + n_new)
         width = max(len(t) for t in tables)
-        padded = [list(t) + [0] * (width - len(t)) for t in tables]
+        # the padded tables as C ints (4 bytes): an array fills from lists faster than
+        # torch.tensor reads nested ones
+        flat = array("i")
+        for table in tables:
+            flat.extend(table)
+            flat.extend([0] * (width - len(table)))  # padding
+        padded = torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)  # (B, nb)
+        ctx = torch.tensor(context_lens, dtype=torch.int32)  # (B,)
+        offsets = list(accumulate(query_lens, initial=0))  # (B + 1,) each sequence's first row
+        starts = torch.tensor(offsets, dtype=torch.int32)
+        n_tokens, batch = offsets[-1], len(tables)
+        if n_tokens == batch:  # a decode step: one new token per sequence, the context's last
+            seq = torch.arange(batch)  # (N,) the sequence of each new token
+            positions = (ctx - 1).long()
+        else:
+            n_new = torch.tensor(query_lens)  # (B,)
+            seq = torch.repeat_interleave(torch.arange(batch), n_new, output_size=n_tokens)
+            first = (ctx - n_new - starts[:-1]).long()  # (B,) a sequence's position at row 0
+            positions = first[seq] + torch.arange(n_tokens)  # (N,)
+        blocks = padded[seq, positions // block_size].long()  # (N,) pool block of each token
+        slots = blocks * block_size + positions % block_size  # (N,)
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
         return cls(
-            positions=tensor(positions, torch.long),
-            slot_mapping=tensor(slots, torch.long),
-            block_tables=tensor(padded, torch.int32),
-            context_lens=tensor(list(context_lens), torch.int32),
-            query_start=tensor(starts, torch.int32),
+            positions=put(positions),
+            slot_mapping=put(slots),
+            block_tables=put(padded),
+            context_lens=put(ctx),
+            query_start=put(starts),
             seq_lens=list(context_lens),
             query_lens=list(query_lens),
         )
 
 
+@dataclass(frozen=True)
+class KVWrite:
+    """Where a step's new keys and values go in a layer's pools: (N,) int64 block and offset of
+    each new token, for `index_put_` on pools indexed (num_blocks, block_size, H, D)."""
+
+    block: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int) -> KVWrite:
+        slots = meta.slot_mapping
+        return cls(slots // block_size, slots % block_size)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What a backend derives from one step's metadata, built once and read by every layer.
+
+    Each backend extends it with its own fields (`kernels.backends`); a plan belongs to the
+    backend that built it and to its step.
+    """
+
+    meta: AttentionMetadata
+    write: KVWrite
+
+
 class PagedKV(Protocol):
-    """What a model's cached forward needs of a KV cache: per-layer pools and a write."""
+    """What a model's cached forward needs of a KV cache: one plan per step, then per layer a
+    write of the new keys and values and attention over everything cached."""
 
-    k: torch.Tensor  # (n_layer, num_blocks, block_size, n_kv_head, head_dim)
-    v: torch.Tensor
+    def plan(self, meta: AttentionMetadata) -> AttentionPlan: ...
 
-    def write(
-        self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
-    ) -> None: ...
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        """Store k, v (N, H, D) of the step's new tokens in `layer`'s pools, then return the
+        attention (N, H, D) of q over each sequence's cached and new keys."""
+        ...

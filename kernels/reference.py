@@ -1,7 +1,7 @@
 """Plain PyTorch attention: the oracle every attention path is tested against.
 
 Written for clarity, not speed (the CPU paths are `kernels.sdpa_paged` and
-`kernels.paged_decode_cpu`). Both functions compute in fp32 and return the input dtype.
+`kernels.cpu.decode`). Both functions compute in fp32 and return the input dtype.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ copy from cache rather than memory: about 2x faster than all sequences at once f
 (`python bench/cpu_parts.py`).
 
 Everything that depends only on the batch layout (which blocks to copy, the masks, the stale slots)
-is a `_Plan`, built by the first layer of a step and kept in the step's `AttentionMetadata`.
+is a `GatherPlan` (`plan_gather`), built once per step and shared by its layers.
 """
 
 from __future__ import annotations
@@ -39,14 +39,20 @@ class _Group:
 
 
 @dataclass
-class _Plan:
+class GatherPlan:
+    """A step's groups of sequences, each gathered and attended in one SDPA call."""
+
     keys_per_seq: int  # Lk: gathered slots per sequence
     groups: list[_Group]
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, q: torch.Tensor, kv_bytes: int) -> _Plan:
+def plan_gather(
+    meta: AttentionMetadata, block_size: int, n_head: int, head_dim: int, kv_bytes: int
+) -> GatherPlan:
+    """The groups, copies and masks of a step over pools of `block_size`-slot blocks holding
+    `n_head` heads of `head_dim` elements of `kv_bytes` bytes each."""
     block_tables, context_lens, query_start = meta.block_tables, meta.context_lens, meta.query_start
-    n_tokens, n_head, head_dim = q.shape
+    n_tokens = meta.num_tokens
     device = block_tables.device
     batch = block_tables.shape[0]
     ctx = context_lens.long()  # (B,)
@@ -88,7 +94,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, q: torch.Tensor, kv_byt
                 out_rows=None if out_rows is None else out_rows[first:last],
             )
         )
-    return _Plan(keys_per_seq=n_keys, groups=groups)
+    return GatherPlan(keys_per_seq=n_keys, groups=groups)
 
 
 def _attend_group(
@@ -125,11 +131,16 @@ def _attend_group(
 
 def paged_attention_sdpa(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    sm_scale: float | None = None,
+    sm_scale: float | None = None, plan: GatherPlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """(N, H, D) new tokens against paged K/V; returns (N, H, D)."""
-    block_size, kv_bytes = k_cache.shape[1], k_cache.element_size()
-    plan = meta.plan("sdpa_gather", lambda: _make_plan(meta, block_size, q, kv_bytes))
+    """(N, H, D) new tokens against paged K/V; returns (N, H, D).
+
+    `plan` is the step's `plan_gather(meta, ...)`, which every layer shares; without it, one is
+    built for this call.
+    """
+    if plan is None:
+        block_size, n_head, head_dim = k_cache.shape[1:]
+        plan = plan_gather(meta, block_size, n_head, head_dim, k_cache.element_size())
     parts = [
         _attend_group(q, k_cache, v_cache, g, plan.keys_per_seq, sm_scale) for g in plan.groups
     ]

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import flash_attention, paged_attention
-from kernels.metadata import AttentionMetadata, PagedKV
+from kernels import flash_attention
+from kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
 from model.config import ModelConfig
 
 
@@ -54,15 +54,14 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def forward_cached(
-        self, x: torch.Tensor, cache: PagedKV, layer: int, meta: AttentionMetadata
+        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan
     ) -> torch.Tensor:
         N, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=1)
         q = q.view(N, self.n_head, self.head_dim)  # (N, nh, hs)
         k = k.view(N, self.n_head, self.head_dim)
         v = v.view(N, self.n_head, self.head_dim)
-        cache.write(layer, meta, k, v)
-        y = paged_attention(q, cache.k[layer], cache.v[layer], meta)  # (N, nh, hs)
+        y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first
         return self.c_proj(y.reshape(N, C))
 
 
@@ -93,9 +92,9 @@ class Block(nn.Module):
         return self._residual(x, self.attn)
 
     def forward_cached(
-        self, x: torch.Tensor, cache: PagedKV, layer: int, meta: AttentionMetadata
+        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan
     ) -> torch.Tensor:
-        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, meta))
+        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, plan))
 
     def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
         if self.pre_norm:
@@ -194,7 +193,8 @@ class GPT(nn.Module):
         new token). Returns (len(logits_index), vocab_size).
         """
         x = self._embed(tokens, meta.positions)  # (N, C)
+        plan = cache.plan(meta)  # the attention backend's, built once for every layer
         for layer, block in enumerate(self.transformer.h):
-            x = block.forward_cached(x, cache, layer, meta)
+            x = block.forward_cached(x, cache, layer, plan)
         index = meta.last_token_index if logits_index is None else logits_index
         return self._head(x[index])  # (M, V)

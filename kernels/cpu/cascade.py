@@ -13,11 +13,11 @@ A group is made of sequences whose tables start with the same block; its shared 
 common leading blocks, cut to the full blocks every member has cached before its first new
 token, so no causal mask or stale slot is ever needed there (a sequence that agrees with the
 others for only a few blocks is left out of the group rather than cutting it short). Sequences
-in no group attend to their whole context in one SDPA call. `shares_prefix` says whether a step
-has a group at all; without one the caller keeps the batched gather + SDPA path
-(`kernels.sdpa_paged`), and nothing else is planned.
+in no group attend to their whole context in one SDPA call. A step's `CascadePlan` with no group
+(`plan_cascade`) plans nothing more: the backend then keeps the batched gather + SDPA path
+(`kernels.sdpa_paged`).
 
-Pools are head-major, as `KVCache` stores them (`kernels.paged_decode_cpu.is_head_major`). The
+Pools are head-major, as the CPU backend lays them out (`kernels.cpu.decode.is_head_major`). The
 arithmetic is float32 whatever the pools hold. Slots past a sequence's end in its last block may
 hold anything (even NaN): their scores are masked and the gathered copies of their keys and
 values are zeroed.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_products import onednn_products, product_nt
+from kernels.cpu.products import onednn_products, product_nt
 from kernels.metadata import AttentionMetadata
 
 SCORE_BYTES = 16 << 20  # float32 scores held at once: longer query runs are taken in slices
@@ -58,7 +58,9 @@ class _Seq:
 
 
 @dataclass
-class _Plan:
+class CascadePlan:
+    """A prefill step's groups and each sequence's own part; no group: nothing to share."""
+
     groups: list[_Group]
     seqs: list[_Seq]
 
@@ -89,7 +91,9 @@ def _choose_members(
     return [i for i in bucket if depth[i] >= best], best
 
 
-def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
+def plan_cascade(meta: AttentionMetadata, bs: int) -> CascadePlan:
+    """The groups of sequences that continue the same cached blocks of `bs` slots, and each
+    sequence's own keys; when no two sequences share a prefix, only the (empty) groups."""
     device = meta.block_tables.device
     tables = meta.block_tables.tolist()
     starts = meta.query_start.tolist()
@@ -114,7 +118,7 @@ def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
         for i in seqs:
             member[i] = (len(groups) - 1, shared)
     if not groups:  # the step goes to gather + SDPA: nothing more to plan
-        return _Plan([], [])
+        return CascadePlan([], [])
     offsets: dict[int, int] = {}  # each group's rows filled so far
     parts = []
     for i, (n, q) in enumerate(zip(meta.seq_lens, meta.query_lens)):
@@ -137,12 +141,7 @@ def _make_plan(meta: AttentionMetadata, bs: int) -> _Plan:
                 group_rows=slice(at, at + q),
             )
         )
-    return _Plan(groups, parts)
-
-
-def shares_prefix(meta: AttentionMetadata, block_size: int) -> bool:
-    """Whether two or more sequences of the step continue the same cached blocks."""
-    return bool(meta.plan("cpu_prefill", lambda: _make_plan(meta, block_size)).groups)
+    return CascadePlan(groups, parts)
 
 
 def _gather(tiles: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -200,13 +199,18 @@ def _partial_unmasked(
 
 def prefill_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    sm_scale: float | None = None,
+    sm_scale: float | None = None, plan: CascadePlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """(N, H, D) new tokens against head-major paged K/V; see `paged_attention_reference`."""
+    """(N, H, D) new tokens against head-major paged K/V; see `paged_attention_reference`.
+
+    `plan` is the step's `plan_cascade(meta, ...)`, which every layer shares; without it, one is
+    built for this call.
+    """
     k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
     n_head, bs, head_dim = k_tiles.shape[1:]
     scale = sm_scale if sm_scale is not None else head_dim**-0.5
-    plan = meta.plan("cpu_prefill", lambda: _make_plan(meta, bs))
+    if plan is None:
+        plan = plan_cascade(meta, bs)
     qh = (q.float() * scale).transpose(0, 1)  # (H, N, D)
     shared = []  # per group: the output over the shared keys alone, and its log-sum-exp
     for group in plan.groups:

@@ -1,13 +1,14 @@
 """Decode attention on the CPU, reading the paged pools where they lie (no gathered copy).
 
-For a decode step (one new token per sequence) over pools stored head-major, as `KVCache` stores
-them: each (block, head) is a contiguous (block_size, D) tile, so one `bmm` multiplies every
-used tile by its sequence's query, another every tile's probabilities by its values. In between,
-the small score tensor is laid out per sequence in block-table order for one softmax per
-sequence and head, and the tiles' outputs are summed in that order, so in float32 a sequence's
-result does not depend on where its blocks lie or on what else is in the batch, to the bit,
-unless it shares blocks (below: a later holder's product rounds like a several-query product,
-within about 1e-7) or its batch decides the bfloat16/float16 upcast (`UPCAST_ELEMENTS`).
+For a decode step (one new token per sequence) over pools stored head-major, as
+`kernels.backends.CpuPagedBackend` lays them out: each (block, head) is a contiguous
+(block_size, D) tile, so one `bmm` multiplies every used tile by its sequence's query, another
+every tile's probabilities by its values. In between, the small score tensor is laid out per
+sequence in block-table order for one softmax per sequence and head, and the tiles' outputs are
+summed in that order, so in float32 a sequence's result does not depend on where its blocks lie
+or on what else is in the batch, to the bit, unless it shares blocks (below: a later holder's
+product rounds like a several-query product, within about 1e-7) or its batch decides the
+bfloat16/float16 upcast (`UPCAST_ELEMENTS`).
 
 The allocator hands out the lowest free blocks (`engine.kv_cache.BlockAllocator`), so the blocks of a
 batch usually form one run at the front of the pool, which is read in place, holes included
@@ -55,8 +56,10 @@ class _Shared:
 
 
 @dataclass
-class _Plan:
-    """Rows: one per pool block of the first run (each with its first holder), then Rb * Mb
+class DecodePlan:
+    """What a decode step's layers share, from its metadata alone (`plan_decode`).
+
+    Rows: one per pool block of the first run (each with its first holder), then Rb * Mb
     slots for the further holders of shared blocks (`shared`); a row is scored by one sequence."""
 
     run: tuple[int, int] | None  # pool blocks [first, last) read in place, or None
@@ -92,7 +95,11 @@ def _holder_rank(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return rank, distinct, counts
 
 
-def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
+def plan_decode(meta: AttentionMetadata, bs: int, n_head: int) -> DecodePlan:
+    """The rows, runs, masks and stale slots of a decode step over pools of `bs`-slot blocks and
+    `n_head` key/value heads; raises ValueError for a batch this path does not cover."""
+    if not meta.is_decode:
+        raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     block_tables = meta.block_tables
     batch = block_tables.shape[0]
     device = block_tables.device
@@ -150,7 +157,7 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
         last_block[:, None].expand(-1, bs)[stale_at][:, None] * n_head + heads
     ) * bs  # (S, H) first row of a tile
     stale = (stale + offsets.expand(batch, -1)[stale_at][:, None]).reshape(-1)
-    return _Plan(
+    return DecodePlan(
         run=run,
         blocks=None if run else distinct,
         shared=shared,
@@ -167,25 +174,27 @@ def _make_plan(meta: AttentionMetadata, bs: int, n_head: int) -> _Plan:
 
 
 def is_head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether each (block, head) of both pools is one contiguous tile, as `KVCache` stores them."""
+    """Whether each (block, head) of both pools is one contiguous tile (the CPU backend's layout)."""
     return k_cache.transpose(1, 2).is_contiguous() and v_cache.transpose(1, 2).is_contiguous()
 
 
 def decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    sm_scale: float | None = None,
+    sm_scale: float | None = None, plan: DecodePlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """(B, H, D) decode queries against head-major paged K/V (`is_head_major`).
 
     Same contract as `kernels.reference.paged_attention_reference`, for a decode step: every
-    sequence has exactly one new token.
+    sequence has exactly one new token. `plan` is the step's `plan_decode(meta, ...)`, which
+    every layer shares; without it, one is built for this call.
     """
-    if not meta.is_decode or not is_head_major(k_cache, v_cache):
+    if not is_head_major(k_cache, v_cache):
         raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
     out_dtype = q.dtype
     n_head, bs, head_dim = k_tiles.shape[1:]
-    plan = meta.plan("cpu_decode", lambda: _make_plan(meta, bs, n_head))
+    if plan is None:
+        plan = plan_decode(meta, bs, n_head)
     if plan.stale is not None:
         v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
     keys, values = _read(k_tiles, v_tiles, plan.run, plan.blocks)  # (R0, H, bs, D)
@@ -246,7 +255,7 @@ def _rows_by_slot(out: torch.Tensor, n_head: int) -> torch.Tensor:
     return out.view(-1, n_head, slots, x).transpose(1, 2).reshape(-1, n_head, x)
 
 
-def _by_sequence(rows: torch.Tensor, plan: _Plan, pad: float) -> torch.Tensor:
+def _by_sequence(rows: torch.Tensor, plan: DecodePlan, pad: float) -> torch.Tensor:
     """(R, ...) -> (B, nb, ...): each sequence's rows in block-table order, `pad` past its end."""
     if plan.in_order:
         return rows.view(*plan.seq_rows.shape, *rows.shape[1:])

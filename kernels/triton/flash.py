@@ -2,7 +2,7 @@
 
 Layout: q (B, H, Tq, D), k and v (B, H, Tk, D), any strides (the model hands in transposed
 views). One program owns BLOCK_M queries of one (batch, head) and walks over key blocks with the
-online softmax of `kernels.softmax`. The causal mask is bottom-right aligned (query i sees keys
+online softmax of `kernels.triton.softmax`. The causal mask is bottom-right aligned (query i sees keys
 0 .. i + Tk - Tq). Each loop over tiles runs in two passes: tiles wholly below the diagonal with
 no mask, and the tiles that touch it with one; tiles wholly above it are never visited.
 
@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.softmax import LOG2E, dot_precision, softmax_finish, softmax_init, softmax_update
+from kernels.triton.softmax import (
+    LOG2E,
+    dot_precision,
+    softmax_finish,
+    softmax_init,
+    softmax_update,
+)
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
 

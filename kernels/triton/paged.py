@@ -24,7 +24,13 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.softmax import LOG2E, dot_precision, softmax_finish, softmax_init, softmax_update
+from kernels.triton.softmax import (
+    LOG2E,
+    dot_precision,
+    softmax_finish,
+    softmax_init,
+    softmax_update,
+)
 
 
 @triton.jit
@@ -138,6 +144,21 @@ def _num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device)
     return max(1, min(want, longest, 64))
 
 
+def _query_tile(max_query_len: int) -> int:
+    """BLOCK_M: 16 rows up to 16 new tokens a sequence, else the next power of two up to 64."""
+    return 16 if max_query_len <= 16 else min(64, triton.next_power_of_2(max_query_len))
+
+
+def default_split_size(
+    meta: AttentionMetadata, n_head: int, page_size: int, device: torch.device, block_n: int = 64
+) -> int:
+    """Keys per split for a step (the split-K heuristic of `_num_splits`), from the host-side
+    lengths and the table width, which bounds every context without a read back from the device."""
+    max_ctx = meta.block_tables.shape[1] * page_size
+    programs = meta.num_seqs * triton.cdiv(meta.max_query_len, _query_tile(meta.max_query_len))
+    return triton.cdiv(max_ctx, _num_splits(programs * n_head, max_ctx, block_n, device))
+
+
 def triton_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -165,18 +186,15 @@ def triton_paged_attention(
     if n_tokens == 0:
         return out
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    max_query_len = meta.max_query_len
-    block_m = 16 if max_query_len <= 16 else min(64, triton.next_power_of_2(max_query_len))
+    block_m = _query_tile(meta.max_query_len)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    n_qblocks = triton.cdiv(max_query_len, block_m)
+    n_qblocks = triton.cdiv(meta.max_query_len, block_m)
     tables = meta.block_tables
     if tables.stride(1) != 1:
         tables = tables.contiguous()
-    # the table width bounds every context, without reading context_lens back from the device
     max_ctx = tables.shape[1] * page_size
     if split_size is None:
-        programs = meta.num_seqs * n_qblocks * n_head
-        split_size = triton.cdiv(max_ctx, _num_splits(programs, max_ctx, block_n, q.device))
+        split_size = default_split_size(meta, n_head, page_size, q.device, block_n)
     split_size = triton.cdiv(max(split_size, 1), block_n) * block_n
     splits = triton.cdiv(max_ctx, split_size)
 

@@ -35,8 +35,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-import kernels.flash as flash  # noqa: E402
-import kernels.paged as paged  # noqa: E402
+import kernels.triton.flash as flash  # noqa: E402
+import kernels.triton.paged as paged  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -11,8 +11,6 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES
 
-import kernels
-
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "dtype" in metafunc.fixturenames:
@@ -22,12 +20,3 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
-
-
-@pytest.fixture
-def triton_backend():
-    """Route kernels.flash_attention / paged_attention to Triton; restore the choice after."""
-    previous = kernels.get_backend()
-    kernels.set_backend("triton")
-    yield
-    kernels.set_backend(previous)

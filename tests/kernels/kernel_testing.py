@@ -32,7 +32,7 @@ def paged_batch(
     The pools are full of NaN except the slots the sequences own. Tables are padded with block 0,
     which nobody owns: a kernel that reads past a context, or through a padding entry, without
     masking the load picks up NaN. `spare` more blocks are owned by nobody. `head_major` stores
-    the pools as `engine.kv_cache.KVCache` does: each (block, head) a contiguous (page_size, head_dim)
+    the pools as the CPU and Triton backends do: each (block, head) a contiguous (page_size, head_dim)
     tile, seen through the same (blocks, page, H, D) shape.
     """
     gen = torch.Generator().manual_seed(seed)

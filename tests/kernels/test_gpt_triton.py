@@ -1,4 +1,8 @@
-"""The whole model through the Triton kernels matches the PyTorch path."""
+"""The whole model through the Triton kernels matches the PyTorch path.
+
+The model's training attention is routed by patching `model.gpt.flash_attention` in each test;
+its cached forward runs through the KV cache's backend, given explicitly.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,24 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
 from kernel_testing import rel_error  # noqa: E402
 
-import kernels  # noqa: E402
-from engine.kv_cache import KVCache
+import kernels.triton.flash  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from kernels import AttentionBackend, CpuPagedBackend, SdpaGatherBackend, TritonBackend  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
+from model import gpt as gpt_module  # noqa: E402
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> dict[str, int]:
     """Count calls that reach the Triton entry points, so a silent fallback cannot pass."""
-    import kernels.flash
-    import kernels.paged
+    import kernels.triton.flash
+    import kernels.triton.paged
 
     calls = {"flash": 0, "paged": 0}
 
@@ -33,8 +40,8 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
 
         monkeypatch.setattr(module, attr, wrapper)
 
-    counted(kernels.flash, "triton_flash_attention", "flash")
-    counted(kernels.paged, "triton_paged_attention", "paged")
+    counted(kernels.triton.flash, "triton_flash_attention", "flash")
+    counted(kernels.triton.paged, "triton_paged_attention", "paged")
     return calls
 
 
@@ -44,8 +51,30 @@ def _model(device: torch.device) -> GPT:
     return GPT(cfg).to(device)
 
 
-def _loss_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor, backend: str):
-    kernels.set_backend(backend)
+def _sdpa(q, k, v, causal=True, sm_scale=None):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+def _triton(q, k, v, causal=True, sm_scale=None):
+    return kernels.triton.flash.triton_flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+def _route(monkeypatch, backend: str) -> None:
+    """The model's training attention through Triton ("triton") or SDPA ("torch")."""
+    monkeypatch.setattr(gpt_module, "flash_attention", _triton if backend == "triton" else _sdpa)
+
+
+def _paged_backend(backend: str, device: torch.device) -> AttentionBackend:
+    """The Triton backend, or the PyTorch one the device would get."""
+    if backend == "triton":
+        return TritonBackend()
+    return CpuPagedBackend() if device.type == "cpu" else SdpaGatherBackend()
+
+
+def _loss_and_grads(
+    model: GPT, idx: torch.Tensor, targets: torch.Tensor, backend: str, monkeypatch
+):  # fmt: skip
+    _route(monkeypatch, backend)
     model.zero_grad(set_to_none=True)
     loss = model.loss(idx, targets)
     loss.backward()
@@ -53,28 +82,28 @@ def _loss_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor, backen
     return loss.detach(), grads
 
 
-def test_training_step_matches_torch_path(triton_backend, kernel_calls, device):
+def test_training_step_matches_torch_path(monkeypatch, kernel_calls, device):
     model = _model(device)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 101, (2, 32), generator=gen).to(device)
     targets = torch.randint(0, 101, (2, 32), generator=gen).to(device)
     targets[0, :5] = -1  # ignored positions
-    loss_t, grads_t = _loss_and_grads(model, idx, targets, "triton")
+    loss_t, grads_t = _loss_and_grads(model, idx, targets, "triton", monkeypatch)
     assert kernel_calls["flash"] == 2  # one per layer
-    loss_r, grads_r = _loss_and_grads(model, idx, targets, "torch")
+    loss_r, grads_r = _loss_and_grads(model, idx, targets, "torch", monkeypatch)
     assert torch.isfinite(loss_t)
     assert abs(loss_t.item() - loss_r.item()) < 1e-4
     for name, grad in grads_r.items():
         assert rel_error(grads_t[name], grad) < 1e-3, name
 
 
-def test_logits_match_for_a_short_sequence(triton_backend, device):
+def test_logits_match_for_a_short_sequence(monkeypatch, device):
     model = _model(device).eval()
     idx = torch.randint(0, 101, (3, 13), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.no_grad():
-        kernels.set_backend("triton")
+        _route(monkeypatch, "triton")
         got = model(idx)
-        kernels.set_backend("torch")
+        _route(monkeypatch, "torch")
         want = model(idx)
     assert rel_error(got, want) < 1e-4
 
@@ -88,10 +117,10 @@ def _cached_logits(
     device: torch.device,
 ) -> list[torch.Tensor]:
     """Prefill all prompts in one batch, then decode `steps` tokens each (teacher forced)."""
-    kernels.set_backend(backend)
     order = list(range(32))
     random.Random(0).shuffle(order)
-    cache = KVCache.for_model(model, num_blocks=32, block_size=8, device=device, block_order=order)
+    cache = KVCache.for_model(model, num_blocks=32, block_size=8, device=device, block_order=order,
+                              backend=_paged_backend(backend, device))  # fmt: skip
     cache.k.fill_(float("nan"))  # unused slots hold garbage
     cache.v.fill_(float("nan"))
     out = []
@@ -107,7 +136,7 @@ def _cached_logits(
     return out
 
 
-def test_forward_cached_matches_reference_path(triton_backend, kernel_calls, device):
+def test_forward_cached_matches_reference_path(kernel_calls, device):
     model = _model(device).eval()
     prompt_lens = [1, 9, 23]  # below, across and well past the 8-token cache block
     steps = 4

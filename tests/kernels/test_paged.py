@@ -9,8 +9,8 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton kernel
 
 from kernel_testing import TOLERANCE, paged_batch, rel_error  # noqa: E402
 
-from kernels.paged import triton_paged_attention  # noqa: E402
 from kernels.reference import paged_attention_reference  # noqa: E402
+from kernels.triton.paged import triton_paged_attention  # noqa: E402
 
 
 def _check(args, dtype, **kw):

@@ -9,10 +9,12 @@ import pytest
 import torch
 from kernel_testing import TOLERANCE, paged_batch, rel_error
 
-import kernels
+from kernels.backends import CpuPagedBackend, KVSpec, SdpaGatherBackend, SdpaGatherPlan
+from kernels.cpu.cascade import CascadePlan
+from kernels.cpu.decode import DecodePlan, decode_attention_cpu, is_head_major, plan_decode
 from kernels.metadata import AttentionMetadata
-from kernels.paged_decode_cpu import decode_attention_cpu, is_head_major
 from kernels.reference import paged_attention_reference
+from kernels.sdpa_paged import GatherPlan
 
 CTX = [1, 150, 9, 40, 16, 17]
 
@@ -24,8 +26,8 @@ def test_matches_reference_and_never_reads_garbage(page_size, spare, dtype):
                        device="cpu", spare=spare, head_major=True)  # fmt: skip
     assert args[1].transpose(1, 2).is_contiguous()
     ref = paged_attention_reference(*args)
-    out = decode_attention_cpu(*args)
-    plan = args[3].plans["cpu_decode"]
+    plan = plan_decode(args[3], page_size, 3)
+    out = decode_attention_cpu(*args, plan=plan)
     # with 200 spare blocks the batch's blocks are spread over a run 2x too long: gathered
     assert (plan.run is None) == (spare == 200)
     assert out.shape == args[0].shape and out.dtype == dtype
@@ -89,18 +91,26 @@ def test_the_dispatch_reads_leading_decodes_in_place_and_gathers_the_rest(
 ):
     args = paged_batch([5, 9, 13], q_lens, 4, n_head=2, head_dim=8, dtype=torch.float32,
                        device="cpu", head_major=head_major)  # fmt: skip
-    meta = args[3]
-    out = kernels.paged_attention(*args)
+    q, k, v, meta = args
+    # the backend that lays the pools out so: head-major is the CPU's, token-major SDPA's
+    backend = CpuPagedBackend() if head_major else SdpaGatherBackend()
+    step = backend.plan(meta, KVSpec(1, k.shape[0], 4, 2, 8, torch.float32, k.device))
+    out = backend.attend(q, k, v, step)
     assert rel_error(out, paged_attention_reference(*args)) < TOLERANCE[torch.float32]
     assert meta.num_decodes == in_place
-    plans = dict(meta.plans)
-    if "cpu_split" in plans:  # the step split in two: each half keeps its own plans
-        decodes, rest = plans.pop("cpu_split")
-        plans.update(decodes.plans)
-        plans.update(rest.plans)
+    plans = _plans_by_path(step)
     read_in_place = plans["cpu_decode"].seq_rows.shape[0] if "cpu_decode" in plans else 0
     assert read_in_place == (in_place if head_major else 0)
     assert ("sdpa_gather" in plans) == (in_place < 3 or not head_major)
+
+
+def _plans_by_path(step) -> dict:
+    """A step's typed plan, as its paths' plans: in place ("cpu_decode"), cascade
+    ("cpu_prefill") and gather + SDPA ("sdpa_gather")."""
+    if isinstance(step, SdpaGatherPlan):
+        return {"sdpa_gather": step.gather}
+    names = {DecodePlan: "cpu_decode", CascadePlan: "cpu_prefill", GatherPlan: "sdpa_gather"}
+    return {names[type(p)]: p for p in (step.decode, step.rest_plan) if p is not None}
 
 
 def _shared_prefix_batch(tables, ctx, n_pool, dtype=torch.float32):
@@ -133,8 +143,8 @@ def test_sequences_sharing_blocks_read_them_in_place_and_match_the_reference(
 ):
     q, k, v, meta = _shared_prefix_batch(tables, ctx, n_pool, dtype)
     ref = paged_attention_reference(q, k, v, meta)
-    out = decode_attention_cpu(q, k, v, meta)
-    plan = meta.plans["cpu_decode"]
+    plan = plan_decode(meta, 4, 2)
+    out = decode_attention_cpu(q, k, v, meta, plan=plan)
     assert plan.shared is not None
     assert (plan.shared.run is not None) == shared_in_place
     holders = [sum(b in t[: -(-n // 4)] for t, n in zip(tables, ctx)) for b in range(n_pool)]

@@ -9,12 +9,14 @@ import pytest
 import torch
 from kernel_testing import TOLERANCE, rel_error
 
-import kernels
-import kernels.cpu_products as cpu_products
-import kernels.prefill_cpu as prefill_cpu
+import kernels.cpu.cascade as prefill_cpu
+import kernels.cpu.products as cpu_products
+from kernels.backends import CpuPagedBackend, KVSpec
+from kernels.cpu.cascade import plan_cascade, prefill_attention_cpu
+from kernels.cpu.decode import DecodePlan
 from kernels.metadata import AttentionMetadata
-from kernels.prefill_cpu import prefill_attention_cpu, shares_prefix
 from kernels.reference import paged_attention_reference
+from kernels.sdpa_paged import GatherPlan
 
 BS = 4
 
@@ -58,8 +60,9 @@ def test_matches_reference_and_never_reads_garbage(case, onednn, dtype, monkeypa
     if not onednn:
         monkeypatch.setattr(prefill_cpu, "onednn_products", lambda: False)
     q, k, v, meta = _batch(*CASES[case], dtype=dtype)
-    assert shares_prefix(meta, BS)
-    out = prefill_attention_cpu(q, k, v, meta)
+    plan = plan_cascade(meta, BS)
+    assert plan.groups  # two or more sequences continue the same cached blocks
+    out = prefill_attention_cpu(q, k, v, meta, plan=plan)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
     assert rel_error(out, paged_attention_reference(q, k, v, meta)) < TOLERANCE[dtype]
@@ -68,8 +71,7 @@ def test_matches_reference_and_never_reads_garbage(case, onednn, dtype, monkeypa
 def test_groups_cover_what_the_members_have_cached_and_nothing_else():
     tables, ctx, q_lens, n_pool = CASES["two groups and a loner"]
     q, k, v, meta = _batch(tables, ctx, q_lens, n_pool)
-    shares_prefix(meta, BS)
-    plan = meta.plans["cpu_prefill"]
+    plan = plan_cascade(meta, BS)
     # sequences 0, 1: blocks 0 and 1 in common, but sequence 1 has 9 tokens cached (2 blocks);
     # sequences 2, 3: blocks 4, 5 in common, sequence 2 has 8 cached, sequence 3 has 9
     assert [g.blocks.tolist() for g in plan.groups] == [[0, 1], [4, 5]]
@@ -83,11 +85,11 @@ def test_a_sequence_that_agrees_only_briefly_is_left_out_of_the_group():
     # prompt that starts alike): with it the group could share one block, without it four
     tables = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 5], [0, 1, 2, 3, 6], [0, 7, 8, 9, 10]]
     q, k, v, meta = _batch(tables, [19, 18, 20, 19], [2, 1, 3, 2], 12)
-    assert shares_prefix(meta, BS)
-    plan = meta.plans["cpu_prefill"]
+    plan = plan_cascade(meta, BS)
+    assert plan.groups
     assert [g.blocks.tolist() for g in plan.groups] == [[0, 1, 2, 3]]
     assert [s.group for s in plan.seqs] == [0, 0, 0, None]
-    out = prefill_attention_cpu(q, k, v, meta)
+    out = prefill_attention_cpu(q, k, v, meta, plan=plan)
     assert rel_error(out, paged_attention_reference(q, k, v, meta)) < TOLERANCE[torch.float32]
 
 
@@ -97,33 +99,36 @@ def test_long_runs_of_queries_are_scored_in_slices(monkeypatch):
     whole = paged_attention_reference(q, k, v, meta)
     for onednn in (True, False):
         monkeypatch.setattr(prefill_cpu, "onednn_products", lambda on=onednn: on)
-        out = prefill_attention_cpu(q, k, v, dataclass_copy(meta))
+        out = prefill_attention_cpu(q, k, v, meta)  # planned afresh, for this call
         assert rel_error(out, whole) < TOLERANCE[torch.float32]
 
 
-def dataclass_copy(meta: AttentionMetadata) -> AttentionMetadata:
-    """The same step as new metadata (no plans yet)."""
-    import dataclasses
-
-    return dataclasses.replace(meta)
+def _cpu_step(q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata):
+    """The CPU backend's plan of the step (pools of `k`'s shape), and its attention."""
+    spec = KVSpec(1, k.shape[0], BS, k.shape[2], k.shape[3], k.dtype, k.device)
+    backend = CpuPagedBackend()
+    step = backend.plan(meta, spec)
+    return step, lambda k, v: backend.attend(q, k, v, step)
 
 
 def test_no_shared_prefix_leaves_the_step_to_gather_and_sdpa():
     # one sequence alone, and two whose tables start alike but have nothing cached yet
     for tables, ctx, q_lens in (([[0, 1, 2]], [10], [3]), ([[0, 1], [0, 2]], [6, 7], [6, 7])):
         q, k, v, meta = _batch(tables, ctx, q_lens, 4)
-        assert not shares_prefix(meta, BS)
-        out = kernels.paged_attention(q, k, v, meta)
-        assert "sdpa_gather" in meta.plans
+        assert not plan_cascade(meta, BS).groups
+        step, attend = _cpu_step(q, k, meta)
+        out = attend(k, v)
+        assert isinstance(step.rest_plan, GatherPlan)
         assert rel_error(out, paged_attention_reference(q, k, v, meta)) < 1e-3
 
 
 def test_the_dispatch_sends_a_step_with_decodes_and_a_shared_prefix_both_ways():
     tables = [[9, 10], [2, 0, 5], [2, 0, 1]]
     q, k, v, meta = _batch(tables, [6, 11, 10], [1, 3, 2], 12)
-    out = kernels.paged_attention(q, k, v, meta)
-    decodes, rest = meta.plans["cpu_split"]
-    assert "cpu_decode" in decodes.plans and rest.plans["cpu_prefill"].groups
+    step, attend = _cpu_step(q, k, meta)
+    out = attend(k, v)
+    assert step.decodes.num_seqs == 1 and step.rest.num_seqs == 2  # the step split in two
+    assert isinstance(step.decode, DecodePlan) and step.rest_plan.groups
     assert rel_error(out, paged_attention_reference(q, k, v, meta)) < 1e-3
 
 

@@ -12,6 +12,7 @@ import torch
 from kernel_testing import TOLERANCE, paged_batch, rel_error
 
 import kernels.sdpa_paged as sdpa_paged
+from kernels.backends import KVSpec, SdpaGatherBackend
 from kernels.reference import paged_attention_reference
 from kernels.sdpa_paged import paged_attention_sdpa
 
@@ -42,18 +43,22 @@ def test_layers_of_one_step_share_a_plan_and_the_next_step_gets_its_own():
     q, k_cache, v_cache, meta = paged_batch(
         **CASES["mixed"], page_size=5, n_head=2, head_dim=8, dtype=torch.float32, device="cpu"
     )
-    paged_attention_sdpa(q, k_cache, v_cache, meta)
-    plan = meta.plans["sdpa_gather"]
-    # another layer of the same step: the same metadata, other pools and queries
+    backend = SdpaGatherBackend()
+    spec = KVSpec(1, k_cache.shape[0], 5, 2, 8, torch.float32, k_cache.device)
+    step = backend.plan(meta, spec)
+    plan = step.gather
+    first = backend.attend(q, k_cache, v_cache, step)
+    assert rel_error(first, paged_attention_reference(q, k_cache, v_cache, meta)) < 1e-3
+    # another layer of the same step: the same plan, other pools and queries
     k2, v2 = k_cache * 2, v_cache + 1
-    out = paged_attention_sdpa(q * 3, k2, v2, meta)
-    assert meta.plans["sdpa_gather"] is plan
+    out = backend.attend(q * 3, k2, v2, step)
+    assert step.gather is plan
     ref = paged_attention_reference(q * 3, k2, v2, meta)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
     # the next step (new metadata, equal values) plans for itself; the first step's plan is kept
-    again = dataclasses.replace(meta)
-    paged_attention_sdpa(q, k_cache, v_cache, again)
-    assert again.plans["sdpa_gather"] is not plan and meta.plans["sdpa_gather"] is plan
+    again = backend.plan(dataclasses.replace(meta), spec)
+    assert again.gather is not plan and step.gather is plan
+    assert torch.equal(backend.attend(q, k_cache, v_cache, again), first)
 
 
 def test_inputs_made_in_inference_mode_work():

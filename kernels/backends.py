@@ -1,0 +1,242 @@
+"""Attention backends: how a KV cache lays out its pools, what a step plans, how a layer attends.
+
+A backend is chosen once, when a KV cache is built (`select_attention_backend(device, dtype)`,
+called by `engine.kv_cache.KVCache`), and the cache asks it for everything that depends on the
+choice: the pools (`allocate`), each step's plan (`plan`: a dataclass of the backend's own, built
+once from the step's `AttentionMetadata` and read by every layer) and each layer's write of the
+new keys and values and attention over the cache (`forward`). No layer inspects tensor layouts
+to find its path, and no module-level switch routes calls.
+
+- `TritonBackend`: the Triton paged kernel (`kernels.triton.paged`), on CUDA; tests run it on
+  CPU tensors under the interpreter (TRITON_INTERPRET=1). Head-major pools, read through their
+  strides.
+- `CpuPagedBackend`: a CPU. Head-major pools; the step's leading decodes read them in place
+  (`kernels.cpu.decode`), the sequences after them (prefills, chunks) score a prefix that
+  several of them continue once (`kernels.cpu.cascade`), or else gather + SDPA
+  (`kernels.sdpa_paged`).
+- `SdpaGatherBackend`: any other device. Token-major pools, each sequence's blocks gathered for
+  `scaled_dot_product_attention` (`kernels.sdpa_paged`).
+
+Every pool, whatever its layout, is indexed (n_layer, num_blocks, block_size, n_head, head_dim),
+so the cache copies blocks and writes slots the same way for all of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
+
+import torch
+
+from kernels.cpu.cascade import CascadePlan, plan_cascade, prefill_attention_cpu
+from kernels.cpu.decode import DecodePlan, decode_attention_cpu, plan_decode
+from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
+from kernels.sdpa_paged import GatherPlan, paged_attention_sdpa, plan_gather
+from kernels.triton import available as triton_available
+
+PlanT = TypeVar("PlanT", bound=AttentionPlan)
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The pools of one KV cache: n_layer layers of num_blocks blocks of block_size slots, each
+    slot n_head key/value heads of head_dim elements of dtype, on device."""
+
+    n_layer: int
+    num_blocks: int
+    block_size: int
+    n_head: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """How every pool is indexed, whatever its layout in memory."""
+        return (self.n_layer, self.num_blocks, self.block_size, self.n_head, self.head_dim)
+
+
+class AttentionBackend(ABC, Generic[PlanT]):
+    """One way to run paged attention: a pool layout, a plan type and the attention itself."""
+
+    name: ClassVar[str]
+
+    def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value pools, `spec.shape` each; token-major unless a backend says
+        otherwise (each slot's heads contiguous, then the block's slots, then the blocks)."""
+        return tuple(
+            torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device) for _ in range(2)
+        )
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> PlanT:
+        """What every layer of the step reads, derived from its metadata once."""
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: PlanT,
+        sm_scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """New tokens' queries (N, H, D) against one layer's pools (num_blocks, block_size, H,
+        D); the contract of `kernels.reference.paged_attention_reference`."""
+
+    def write(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        at: KVWrite,
+    ) -> None:  # fmt: skip
+        """Store the new tokens' keys and values (N, H, D) in one layer's pools."""
+        where = (at.block, at.offset)
+        k_pool.index_put_(where, k.to(k_pool.dtype))
+        v_pool.index_put_(where, v.to(v_pool.dtype))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+        v_pool: torch.Tensor, plan: PlanT, sm_scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """One layer of a step: write k, v (N, H, D), then attend q (N, H, D) -> (N, H, D)."""
+        self.write(k_pool, v_pool, k, v, plan.write)
+        return self.attend(q, k_pool, v_pool, plan, sm_scale)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _head_major(spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed pools whose every (block, head) is one contiguous (block_size, head_dim) tile,
+    seen through the (n_layer, num_blocks, block_size, n_head, head_dim) shape."""
+    stored = (spec.n_layer, spec.num_blocks, spec.n_head, spec.block_size, spec.head_dim)
+    return tuple(
+        torch.zeros(stored, dtype=spec.dtype, device=spec.device).transpose(2, 3) for _ in range(2)
+    )
+
+
+@dataclass(frozen=True)
+class TritonPlan(AttentionPlan):
+    """The kernel reads the metadata's tables and lengths itself; the split-K choice is the
+    step's."""
+
+    split_size: int  # keys per split
+
+
+class TritonBackend(AttentionBackend[TritonPlan]):
+    """The Triton paged kernel over head-major pools (its strides take any layout)."""
+
+    name = "triton"
+
+    def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return _head_major(spec)
+
+    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> TritonPlan:
+        from kernels.triton.paged import default_split_size
+
+        split = default_split_size(meta, spec.n_head, spec.block_size, spec.device)
+        return TritonPlan(meta, KVWrite.of(meta, spec.block_size), split)
+
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: TritonPlan,
+        sm_scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        from kernels.triton import paged
+
+        return paged.triton_paged_attention(
+            q, k_pool, v_pool, plan.meta, sm_scale, split_size=plan.split_size
+        )
+
+
+@dataclass(frozen=True)
+class CpuPagedPlan(AttentionPlan):
+    """A step cut after its leading decodes: they read the pools in place, the rest (prefills
+    and chunks) take the cascade when several continue one cached prefix, else gather + SDPA."""
+
+    decodes: AttentionMetadata | None  # the leading sequences with one new token each
+    decode: DecodePlan | None
+    rest: AttentionMetadata | None  # the sequences after them
+    rest_plan: CascadePlan | GatherPlan | None
+
+
+@dataclass
+class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
+    """Head-major pools on a CPU. `cascade=False` leaves every prefill to gather + SDPA (what
+    the cascade is measured against)."""
+
+    name = "cpu_paged"
+    cascade: bool = True
+
+    def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return _head_major(spec)
+
+    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> CpuPagedPlan:
+        n = meta.num_decodes
+        if n == meta.num_seqs:
+            decodes, rest = meta, None
+        elif n == 0:
+            decodes, rest = None, meta
+        else:
+            decodes, rest = meta.split(n)
+        decode = None if decodes is None else plan_decode(decodes, spec.block_size, spec.n_head)
+        rest_plan = None
+        if rest is not None:
+            if self.cascade:
+                rest_plan = plan_cascade(rest, spec.block_size)
+            if rest_plan is None or not rest_plan.groups:
+                kv_bytes = spec.dtype.itemsize
+                rest_plan = plan_gather(rest, spec.block_size, spec.n_head, spec.head_dim, kv_bytes)
+        write = KVWrite.of(meta, spec.block_size)
+        return CpuPagedPlan(meta, write, decodes, decode, rest, rest_plan)
+
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan,
+        sm_scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if plan.rest is None:
+            return decode_attention_cpu(q, k_pool, v_pool, plan.decodes, sm_scale, plan.decode)
+        if plan.decodes is None:
+            return self._rest(q, k_pool, v_pool, plan, sm_scale)
+        n = plan.decodes.num_seqs  # one token each
+        first = decode_attention_cpu(q[:n], k_pool, v_pool, plan.decodes, sm_scale, plan.decode)
+        return torch.cat([first, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
+
+    @staticmethod
+    def _rest(
+        q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan,
+        sm_scale: float | None,
+    ) -> torch.Tensor:  # fmt: skip
+        if isinstance(plan.rest_plan, CascadePlan):
+            return prefill_attention_cpu(q, k_pool, v_pool, plan.rest, sm_scale, plan.rest_plan)
+        return paged_attention_sdpa(q, k_pool, v_pool, plan.rest, sm_scale, plan.rest_plan)
+
+
+@dataclass(frozen=True)
+class SdpaGatherPlan(AttentionPlan):
+    gather: GatherPlan
+
+
+class SdpaGatherBackend(AttentionBackend[SdpaGatherPlan]):
+    """Token-major pools; each sequence's blocks are copied out for SDPA, on any device."""
+
+    name = "sdpa_gather"
+
+    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> SdpaGatherPlan:
+        kv_bytes = spec.dtype.itemsize
+        gather = plan_gather(meta, spec.block_size, spec.n_head, spec.head_dim, kv_bytes)
+        return SdpaGatherPlan(meta, KVWrite.of(meta, spec.block_size), gather)
+
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: SdpaGatherPlan,
+        sm_scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return paged_attention_sdpa(q, k_pool, v_pool, plan.meta, sm_scale, plan.gather)
+
+
+def select_attention_backend(device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """The backend for pools of `dtype` on `device`: the CPU paths on a CPU, Triton on CUDA
+    (where triton is installed and has the dtype), gather + SDPA anywhere else."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CpuPagedBackend()
+    if device.type == "cuda" and dtype in TRITON_DTYPES and triton_available():
+        return TritonBackend()
+    return SdpaGatherBackend()
