@@ -3,6 +3,11 @@
 The model never runs on the event loop. Requests and aborts are posted to the engine thread and
 applied between steps, so an abort frees its blocks before the next step runs.
 
+A failed step fails only its own requests, but a fault that fails every step (a device-side
+assert, a corrupted pool) would leave a process that looks alive and serves nothing: after
+`max_consecutive_failed_steps` failed steps in a row the engine is `unhealthy`, fails what it
+holds and takes no more work, and `on_failure` tells the server (which answers 503 and may exit).
+
 The engine thread also builds the Engine, so that on a CPU one thread does all of the model's
 parallel work. PyTorch's OpenMP thread pool belongs to the thread that runs parallel work; a
 second pool (say the main thread's, from building the Engine there) means more OpenMP threads than
@@ -30,6 +35,14 @@ log = logging.getLogger(__name__)
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
+    code = "engine_dead"
+
+
+class EngineUnhealthyError(EngineDeadError):
+    """Too many engine steps failed in a row; the engine takes no more work."""
+
+    code = "engine_unhealthy"
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -45,8 +58,14 @@ class StepStats:
 
 
 class AsyncEngine:
-    def __init__(self, build: Callable[[], Engine]) -> None:
+    def __init__(
+        self, build: Callable[[], Engine], max_consecutive_failed_steps: int | None = None
+    ) -> None:
         self._build = build
+        self.max_consecutive_failed_steps = max_consecutive_failed_steps  # None: never give up
+        self.consecutive_failed_steps = 0
+        self.unhealthy: str | None = None  # why the engine gave up on a sticky fault, if it did
+        self.on_failure: Callable[[str], None] | None = None  # unhealthy or dead: why, once
         self.engine: Engine | None = None  # built by start()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
@@ -113,6 +132,8 @@ class AsyncEngine:
         """
         if self.dead:
             raise EngineDeadError(self.dead)
+        if self.unhealthy:
+            raise EngineUnhealthyError(self.unhealthy)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue, params.n)
         with self._lock:  # += and -= from two threads would lose updates
@@ -138,6 +159,9 @@ class AsyncEngine:
         with self._lock:
             self.pending_adds -= 1
         if request_id not in self._streams:  # the client left before the engine saw it
+            return
+        if self.unhealthy:  # posted before the engine gave up
+            self._deliver(_errors(request_id, params.n, self.unhealthy))
             return
         try:
             self.engine.add_request(request_id, prompt_ids, params)
@@ -174,8 +198,10 @@ class AsyncEngine:
                 if self.engine.has_work():
                     t0 = time.perf_counter()
                     before = self._counts()
+                    failed_before = self.engine.num_failed_steps
                     events = self.engine.step()
                     self._deliver(events)
+                    self._count_failure(self.engine.num_failed_steps > failed_before, events)
                     if self.on_step is not None:
                         counts = (now - then for now, then in zip(self._counts(), before))
                         self.on_step(StepStats(events, time.perf_counter() - t0, *counts))
@@ -185,8 +211,38 @@ class AsyncEngine:
         except BaseException as exc:  # keep the reason; every waiting client gets an error
             log.exception("engine thread died")
             self.dead = f"engine stopped: {exc}"
-            for rid, (_, _, n) in list(self._streams.items()):
-                self._deliver([TokenEvent(rid, i, [], "", [], error=self.dead) for i in range(n)])
+            self._fail_all(self.dead)
+            self._report(self.dead)
+
+    def _count_failure(self, failed: bool, events: list[TokenEvent]) -> None:
+        """Count a step's outcome; past the limit of failed steps in a row, give up."""
+        if not failed:
+            self.consecutive_failed_steps = 0
+            return
+        self.consecutive_failed_steps += 1
+        limit = self.max_consecutive_failed_steps
+        if self.unhealthy or limit is None or self.consecutive_failed_steps < limit:
+            return
+        last = next((e.error for e in events if e.error), "unknown")
+        steps = "engine step" if limit == 1 else f"{limit} engine steps in a row"
+        self.unhealthy = f"the last {steps} failed ({last})"
+        log.error("the engine is unhealthy and takes no more work: %s", self.unhealthy)
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+        self._fail_all(self.unhealthy)
+        self._report(self.unhealthy)
+
+    def _fail_all(self, message: str) -> None:
+        """Every request still waiting for events gets one error event per completion."""
+        for rid, (_, _, n) in list(self._streams.items()):
+            self._deliver(_errors(rid, n, message))
+
+    def _report(self, reason: str) -> None:
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # the engine's state already says it; a callback cannot undo it
+                log.exception("the engine failure callback failed")
 
     def _counts(self) -> tuple[int, ...]:
         """The engine's running totals that StepStats reports per step."""
@@ -204,3 +260,8 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(queue.put_nowait, event)
                 except RuntimeError:  # the loop closed under us (shutdown)
                     pass
+
+
+def _errors(request_id: str, n: int, message: str) -> list[TokenEvent]:
+    """One error event for each of a request's n completions."""
+    return [TokenEvent(request_id, i, [], "", [], error=message) for i in range(n)]

@@ -4,9 +4,11 @@ The port is bound before the model loads, so `/health` answers 503 "loading" ove
 large checkpoint loads. Bad flags, a missing checkpoint directory, an unavailable device or a port
 that cannot be bound print one `error: ...` line and exit with status 2 before anything loads; a
 checkpoint that fails while loading stops the server, and the process ends with the same
-`error: ...` line and status 2. On SIGTERM the server stops accepting connections, lets in-flight
-requests finish for --shutdown-grace seconds (then cancels them), stops the engine thread and
-exits 0.
+`error: ...` line and status 2. With --exit-on-engine-failure an engine that turns unhealthy
+(too many failed steps in a row) or dies stops the server too, which ends with an `error: ...`
+line and status 1, for a process manager to restart it. On SIGTERM the server stops accepting
+connections, lets in-flight requests finish for --shutdown-grace seconds (then cancels them),
+stops the engine thread and exits 0.
 """
 
 from __future__ import annotations
@@ -66,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         "listening on http://%s:%d; loading %s", host, sock.getsockname()[1], settings.model_path
     )
 
-    def load_failed(message: str) -> None:  # called in the loader thread: stop serving
+    def stop_serving(message: str) -> None:  # called in the loader or the engine thread
         server.should_exit = True
 
-    state.on_load_error = load_failed
+    state.on_load_error = stop_serving
+    if settings.exit_on_engine_failure:  # the engine has already failed its requests
+        state.on_engine_failure = stop_serving
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; with these no-op
     # handlers in place that re-raise is harmless and a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -79,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     if state.load_error is not None:
         print(f"error: {state.load_error}", file=sys.stderr)
         code = 2
+    elif settings.exit_on_engine_failure and state.engine_failure is not None:
+        print(f"error: {state.engine_failure}", file=sys.stderr)
+        code = 1
     if state.loader_thread is not None and state.loader_thread.is_alive():
         # stopped while the checkpoint was still loading: torch's threads cannot be torn down
         # at interpreter exit under a running load, so leave without waiting for it

@@ -34,6 +34,7 @@ from server.protocol import (
 from server.runtime import LoadedModel, ServerState, load_model
 from server.settings import Settings
 from server.streams import ClientGone
+from server.tenancy import TENANT_SCOPE_KEY, key_tenant
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -52,6 +53,7 @@ class Gate:
         self.settings = settings
         self.metrics = metrics
         self.keys = [k.encode() for k in settings.api_keys]
+        self.tenants = [key_tenant(k) for k in self.keys]
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,14 +85,17 @@ class Gate:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
-        if self.keys and path.startswith(_AUTH_PREFIXES) and not self._authorized(scope):
-            err = APIError(
-                401,
-                "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                code="invalid_api_key",
-            )
-            await err.response()(scope, receive, send)
-            return
+        if self.keys and path.startswith(_AUTH_PREFIXES):
+            tenant = self._tenant(scope)
+            if tenant is None:
+                err = APIError(
+                    401,
+                    "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                    code="invalid_api_key",
+                )
+                await err.response()(scope, receive, send)
+                return
+            scope[TENANT_SCOPE_KEY] = tenant  # whose prefix cache it shares (server.tenancy)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
@@ -121,16 +126,18 @@ class Gate:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> str | None:
+        """The tenant of the request's Bearer key; None when it has no configured key."""
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return None
         token = token.strip()
-        ok = False
-        for key in self.keys:  # every key is compared, in constant time
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        found = None
+        for key, tenant in zip(self.keys, self.tenants):  # every key compared, in constant time
+            if hmac.compare_digest(token, key):
+                found = tenant
+        return found
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

@@ -1,6 +1,7 @@
 """The plain-text chat template: messages -> one prompt string, plus the chat's default stop strings.
 
-The default renders each message as "{Role}: {content}" on its own line and ends with
+The default renders each message as "{name}: {content}" on its own line, the speaker being the
+message's `name` or else its role's display name ("User: hi", "ROMEO: hi"), and ends with
 "Assistant:", so the model continues the assistant's turn; generation stops at "\\nUser:".
 A checkpoint may carry its own `chat_template.txt` (format in docs/API.md): sections separated by
 a line holding only `---`: the per-message template, the generation prefix, and optionally stop
@@ -9,6 +10,8 @@ strings (one a line, `\\n` written as backslash-n).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,15 +31,18 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    message: str = "{Role}: {content}\n"
+    message: str = "{name}: {content}\n"
     prefix: str = "Assistant:"
     stop: tuple[str, ...] = field(default=("\nUser:",))
 
-    def render(self, messages: list[tuple[str, str]]) -> str:
-        """(role, content) pairs -> the prompt; {role} is the raw role, {Role} its display name."""
+    def render(self, messages: Sequence[tuple[str, str] | tuple[str, str, str | None]]) -> str:
+        """(role, content) or (role, content, name) messages -> the prompt. {role} is the raw
+        role, {Role} its display name, {name} the message's name or else that display name."""
         parts = []
-        for role, content in messages:
-            values = {"role": role, "Role": ROLE_NAMES.get(role, role.title()), "content": content}
+        for role, content, *rest in messages:
+            shown = ROLE_NAMES.get(role, role.title())
+            name = rest[0] if rest and rest[0] else shown
+            values = {"role": role, "Role": shown, "name": name, "content": content}
             parts.append(_fill(self.message, values))
         return "".join(parts) + self.prefix
 
@@ -86,18 +92,26 @@ def _split_sections(text: str) -> list[str]:
     return out
 
 
+_PLACEHOLDER = re.compile(r"\{(role|Role|name|content)\}")
+
+
 def _fill(template: str, values: dict[str, str]) -> str:
-    """Replace {role}, {Role} and {content} without str.format (content may contain braces)."""
-    out = template
-    for key in ("role", "Role"):
-        out = out.replace("{" + key + "}", values[key])
-    head, sep, tail = out.partition("{content}")
-    if not sep:
-        return out
-    content = values["content"]
-    # An answer generated after "Assistant:" begins with its own space (" Hello"): sent back, it
-    # renders as "Assistant: Hello", the very text the model saw, so a follow-up turn's prompt
-    # starts with the tokens generated for it and reuses their cached KV blocks.
-    if head.endswith(" ") and content.startswith((" ", "\t", "\n")):
-        head = head[:-1]
-    return head + content + tail.replace("{content}", content)
+    """Replace {role}, {Role}, {name} and {content} in one pass, without str.format: a name or
+    content holding braces, or a placeholder's text, is written as it is."""
+    out: list[str] = []
+    end, first_content = 0, True
+    for match in _PLACEHOLDER.finditer(template):
+        head = template[end : match.start()]
+        key, value = match.group(1), values[match.group(1)]
+        # An answer generated after "Assistant:" begins with its own space (" Hello"): sent
+        # back, it renders as "Assistant: Hello", the very text the model saw, so a follow-up
+        # turn's prompt starts with the tokens generated for it and reuses their cached blocks.
+        if key == "content" and first_content:
+            first_content = False
+            before = "".join(out) + head
+            if before.endswith(" ") and value.startswith((" ", "\t", "\n")):
+                out, head = [before[:-1]], ""
+        out.append(head + value)
+        end = match.end()
+    out.append(template[end:])
+    return "".join(out)

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
 from engine.sequence import TokenEvent, TokenLogprob
 from server.errors import APIError, error_body
 from server.protocol import (
@@ -27,6 +27,7 @@ from server.protocol import (
 )
 from server.runtime import ServerState
 from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
+from server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
 from server.validation import EngineInputs, Validator
 
 router = APIRouter()
@@ -122,6 +123,12 @@ def _engine_error(message: str) -> APIError:
     return APIError(503, f"the engine failed this request: {message}", code="engine_error")
 
 
+def _engine_stopped(exc: EngineDeadError) -> APIError:
+    """The engine died, or gave up after too many failed steps (EngineUnhealthyError)."""
+    what = "is unhealthy" if isinstance(exc, EngineUnhealthyError) else "has stopped"
+    return APIError(503, f"the engine {what}: {exc}", code=exc.code)
+
+
 def _timeout_error(seconds: float) -> APIError:
     return APIError(504, f"the request took longer than {seconds:g} seconds", code="timeout")
 
@@ -153,6 +160,11 @@ async def _answer(
         inputs = validate(state.validator)
     _check_queue(state, aeng)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
+    # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    params.cache_salt = request_cache_salt(
+        state.settings.prefix_cache_scope, tenant, params.cache_salt
+    )
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     tracker = Tracker(len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter())
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
@@ -218,7 +230,7 @@ async def _collect(job: Job, request: Request) -> None:
         raise _timeout_error(job.timeout) from None
     except EngineDeadError as exc:
         job.tracker.finish(endpoint, 503)
-        raise APIError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
+        raise _engine_stopped(exc) from None
     except ClientGone:
         job.tracker.finish(endpoint, "disconnected")
         raise
@@ -287,7 +299,7 @@ async def _stream(job: Job) -> AsyncIterator[bytes]:
         except RequestTimeout:
             raise _timeout_error(job.timeout) from None
         except EngineDeadError as exc:
-            raise APIError(503, f"the engine has stopped: {exc}", code="engine_dead") from None
+            raise _engine_stopped(exc) from None
         if job.inputs.include_usage:
             final = job.chunk([])
             final["usage"] = job.usage()

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API as pydantic models (they also make the OpenAPI schema).
 
-Types are strict (no "1" -> 1, no true -> 1); unknown fields are ignored as OpenAI does. Every
-other check (ranges, limits, rules between fields) is in `server.validation`, not here.
+Types are strict (no "1" -> 1, no true -> 1). Unknown fields are ignored as OpenAI does (those
+of a completions or chat body are kept in `model_extra`, where `server.request_fields` refuses
+vLLM's fields that this server does not honour and logs the rest). Every other check (ranges,
+limits, rules between fields) is in `server.validation`, not here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = Field(
+        None,
+        description="not supported (vLLM's usage in every chunk); must be omitted, null or false",
+    )
 
 
 class JsonSchemaFormat(_Body):
@@ -95,6 +101,8 @@ class StructuredFields(_Body):
 class SamplingFields(StructuredFields):
     """Fields that completions and chat completions share (OpenAI's plus vLLM-style extensions)."""
 
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: see request_fields
+
     model: str | None = Field(None, description="served model name; omitted means the served one")
     temperature: Finite | None = Field(None, description="0 is greedy; default 1")
     top_p: Finite | None = None
@@ -115,6 +123,12 @@ class SamplingFields(StructuredFields):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="prompts share cached prefixes only with requests of the same salt (and, "
+        "by default, of the same API key); use a long random value per tenant",
+    )
 
 
 class CompletionRequest(SamplingFields):
@@ -135,7 +149,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, description="the speaker: the chat template's {name}")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -296,9 +310,11 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "loading", "failed", "dead"]
+    status: Literal["ok", "loading", "failed", "dead", "unhealthy"]
     model: str | None = None
     failed_steps: int | None = None
     running: int | None = None
     waiting: int | None = None
-    error: str | None = None
+    # why it cannot serve: a message ("failed", "dead"), or the error of every request
+    # ("unhealthy": code engine_unhealthy)
+    error: str | ErrorInfo | None = None

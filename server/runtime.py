@@ -72,7 +72,9 @@ class ServerState:
     """Readiness and the engine of one app; the app's handlers reach everything through it.
 
     `loader` turns the settings into a loaded model (tests pass a slow one); `on_load_error` is
-    called with the message when loading fails (`python -m server` then exits).
+    called with the message when loading fails (`python -m server` then exits), and
+    `on_engine_failure` with the reason when the engine turns unhealthy or dies (with
+    --exit-on-engine-failure `python -m server` exits then too).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ServerState:
         self.metrics = metrics
         self.loader = loader
         self.on_load_error: Callable[[str], None] | None = None
+        self.on_engine_failure: Callable[[str], None] | None = None
         self.loaded: LoadedModel | None = None
         self.aeng: AsyncEngine | None = None
         self.validator: Validator | None = None
@@ -128,7 +131,11 @@ class ServerState:
             speculative="draft" if s.draft_model else s.speculative,
             num_speculative_tokens=s.num_speculative_tokens,
         )
-        aeng = AsyncEngine(lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft))
+        aeng = AsyncEngine(
+            lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft),
+            max_consecutive_failed_steps=s.max_consecutive_failed_steps,
+        )
+        aeng.on_failure = self._engine_failed
         aeng.start()  # the Engine is built in the engine thread (see engine.async_engine)
         limits = aeng.limits
         validator = Validator(s, limits, loaded.name, loaded.tokenizer, loaded.template)
@@ -153,6 +160,16 @@ class ServerState:
         if aeng is not None:
             aeng.stop()
 
+    def _engine_failed(self, reason: str) -> None:  # called in the engine thread
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(reason)
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the engine stopped serving (unhealthy or dead), or None while it serves."""
+        aeng = self.aeng
+        return None if aeng is None else aeng.dead or aeng.unhealthy
+
     @property
     def ready(self) -> bool:
         return self.aeng is not None and not self.aeng.dead
@@ -169,6 +186,8 @@ class ServerState:
             )
         if self.aeng.dead:
             raise APIError(503, f"the engine has stopped: {self.aeng.dead}", code="engine_dead")
+        if self.aeng.unhealthy:
+            raise _unhealthy(self.aeng.unhealthy)
         return self.aeng
 
     def health(self) -> tuple[int, dict]:
@@ -186,4 +205,10 @@ class ServerState:
         }
         if aeng.dead:
             return 503, {**body, "status": "dead", "error": aeng.dead}
+        if aeng.unhealthy:  # the body is also an OpenAI error: what every request now gets
+            return 503, {**body, "status": "unhealthy", **_unhealthy(aeng.unhealthy).body()}
         return 200, body
+
+
+def _unhealthy(reason: str) -> APIError:
+    return APIError(503, f"the engine is unhealthy: {reason}", code="engine_unhealthy")

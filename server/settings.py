@@ -84,6 +84,17 @@ class Settings:
         "at once): more means fewer, larger chunks and less work per token (server.ray.cli "
         "defaults to 4: there each chunk crosses Ray Serve's proxy)", low=1,
     )  # fmt: skip
+    exit_on_engine_failure: bool = flag(
+        False, "exit with status 1 once the engine is unhealthy (see "
+        "--max-consecutive-failed-steps) or its thread has died, so that a process manager "
+        "restarts the server",
+    )  # fmt: skip
+    prefix_cache_scope: str = flag(
+        "key", "who shares cached prompt prefixes: key = the requests of one API key (without "
+        "--api-key everyone is one tenant); global = every client, which lets a client tell "
+        "from cached_tokens and its latency what other clients sent; a request's cache_salt "
+        "narrows either", choices=("key", "global"),
+    )  # fmt: skip
     # engine
     max_num_seqs: int = flag(32, "sequences decoding together", group="engine", low=1)
     max_batch_tokens: int = flag(
@@ -108,6 +119,11 @@ class Settings:
     no_prefix_cache: bool = flag(
         False, "turn off automatic prefix caching (reusing the KV blocks of prompt prefixes "
         "seen before)", group="engine",
+    )  # fmt: skip
+    max_consecutive_failed_steps: int = flag(
+        3, "engine steps failing in a row after which the engine takes no more work: /health "
+        "and new requests answer 503 engine_unhealthy (a step that succeeds resets the count)",
+        group="engine", low=1,
     )  # fmt: skip
     # per-request limits (None: the model's context length)
     max_queue: int = flag(256, "waiting sequences; at or above it 429", group="limits", low=1)

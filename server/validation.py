@@ -36,6 +36,7 @@ from server.protocol import (
     StructuredOutputs,
     TokenizeRequest,
 )
+from server.request_fields import check_extra_fields
 from server.settings import Settings
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -122,6 +123,7 @@ class Validator:
 
     def completion(self, req: CompletionRequest) -> EngineInputs:
         check_model(req.model, self.name)
+        check_extra_fields(req, "completion", self.tokenizer)
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != 1:
@@ -148,6 +150,7 @@ class Validator:
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         check_model(req.model, self.name)
+        check_extra_fields(req, "chat", self.tokenizer)
         if req.tools:
             raise bad_request("tools are not supported", "tools")
         include_usage = self._stream_options(req)
@@ -223,7 +226,7 @@ class Validator:
                 content = msg.content
             else:
                 content = "".join(part.text for part in msg.content)
-            messages.append((msg.role, content))
+            messages.append((msg.role, content, msg.name))
         return encode_text(self.tokenizer, self.template.render(messages), "messages")
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
@@ -291,6 +294,7 @@ class Validator:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=n,
+            cache_salt=req.cache_salt,  # joined with the API key's tenant by the caller
         )
         try:
             params.validate(vocab)

@@ -71,6 +71,8 @@ CASES = [
     (C, comp(min_tokens=10, max_tokens=5), 400, "min_tokens"),
     (C, comp(stop_token_ids=[99_999_999]), 400, "stop_token_ids"),
     (C, comp(ignore_eos="no"), 400, "ignore_eos"),
+    (C, comp(cache_salt=""), 400, "cache_salt"),
+    (H, chat(cache_salt=5), 400, "cache_salt"),
     (C, comp(model="gpt-4"), 404, "model"),
     (C, comp(model=3), 400, "model"),
     (C, b'{"model": "x", "prompt": "\\ud800"}', 404, "model"),
