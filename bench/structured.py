@@ -136,7 +136,7 @@ def compact(value: object) -> str:
 WORKLOADS: list[tuple[str, str, object, str]] = [
     ("json_schema", "json", ORDER_SCHEMA, compact(ORDER)),
     ("json long str", "json", SUMMARY_SCHEMA, compact(SUMMARY)),
-    ("json_object", "json_object", None, compact(PAPER)),
+    ("json_object", "json", {"type": "object"}, compact(PAPER)),
     (
         "regex date",
         "regex",

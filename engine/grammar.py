@@ -1,13 +1,14 @@
 """Structured output: constraints that say which next tokens keep the output in a grammar.
 
-A request may ask for JSON matching a schema (`response_format` of type "json_schema", or
-`guided_json`), any JSON object (`response_format` of type "json_object"), text matching a regular
-expression (`guided_regex`) or one of a list of strings (`guided_choice`). Each becomes a
-`Constraint`: a per-sequence matcher that, before every step, fills a row of a token bitmask (one
-bit per vocabulary id), and after every step is advanced with the sampled token. The sampler then
-applies `logits.masked_fill(~mask, -inf)` to the constrained rows.
+A constraint is already decided when it comes here (which request field asked for it is the
+server's business, `server.structured_request`): JSON valid under a schema ("json"; any JSON
+object is `JSON_OBJECT_SCHEMA`), text matching a regular expression ("regex") or exactly one of a
+list of strings ("choice"). Each becomes a `Constraint`: a per-sequence matcher that, before every
+step, fills a row of a token bitmask (one bit per vocabulary id), and after every step is advanced
+with the sampled token. The sampler then applies `logits.masked_fill(~mask, -inf)` to the
+constrained rows.
 
-    constraint = compile_constraint("json_schema", response_format["json_schema"], tokenizer)
+    constraint = compile_constraint("json", schema, tokenizer)
     bitmask = allocate_bitmask(batch, vocab_size)        # once per engine, reused every step
     fill_bitmask([constraint, None, ...], bitmask)       # None: an unconstrained row
     mask = bitmask_to_bool(bitmask, vocab_size)          # (B, V) bool, on any device
@@ -45,15 +46,9 @@ import torch
 
 from model.tokenizer import Tokenizer
 
-ConstraintKind = Literal["json_object", "json_schema", "json", "regex", "choice"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "json", "regex", "choice")
-DEFAULT_PARAM = {
-    "json_object": "response_format",
-    "json_schema": "response_format",
-    "json": "guided_json",
-    "regex": "guided_regex",
-    "choice": "guided_choice",
-}
+ConstraintKind = Literal["json", "regex", "choice"]
+KINDS: tuple[str, ...] = ("json", "regex", "choice")
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}  # "json" spec for any JSON object
 GRAMMAR_CACHE_SIZE = 256
 MAX_SPEC_CHARS = 200_000  # serialized schema / regex / choices; compile time grows with size
 # Compact JSON, one way to write each value: small models loop on free whitespace. Given as
@@ -70,16 +65,11 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # errors name no pars
 
 
 class GrammarError(ValueError):
-    """A constraint that cannot be built; `param` names the request field at fault."""
+    """A constraint that cannot be built; the message is one line."""
 
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
         self.message = message
-
-
-class _CompileError(Exception):
-    """A grammar the engine refused; GrammarError once the request field is known."""
 
 
 class ConstraintViolation(RuntimeError):
@@ -153,11 +143,11 @@ def _clean(message: str) -> str:
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _compile(kind: str, text: str, vocab_key: tuple[str, int]) -> _Compiled:
     vocab = _VOCABS[vocab_key]
-    if kind in ("json_object", "json_schema", "json"):
+    if kind == "json":
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
         except ValueError as exc:
-            raise _CompileError(f"invalid JSON schema: {exc}") from None
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
     elif kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(text)
     else:
@@ -172,10 +162,10 @@ def _compile(kind: str, text: str, vocab_key: tuple[str, int]) -> _Compiled:
         what = {"regex": "invalid regular expression", "choice": "invalid choices"}.get(
             kind, "unsupported or invalid JSON schema"
         )
-        raise _CompileError(f"{what}: {_clean(messages[0])}")
+        raise GrammarError(f"{what}: {_clean(messages[0])}")
     matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=_LIMITS)
     if matcher.is_error():
-        raise _CompileError(_clean(matcher.get_error()))
+        raise GrammarError(_clean(matcher.get_error()))
     return _Compiled(matcher, messages)
 
 
@@ -188,51 +178,32 @@ def clear_cache() -> None:
     _compile.cache_clear()
 
 
-# ---- specs -> (kind, canonical text) ----
+# ---- specs -> canonical text ----
 
 
-def _spec_text(kind: str, spec: object, param: str) -> str:
+def _spec_text(kind: str, spec: object) -> str:
     """The grammar's source as text: the cache key and what the engine compiles."""
-    if kind == "json_object":
-        return '{"type":"object"}'
-    if kind == "json_schema":
+    if kind == "json":
         if not isinstance(spec, dict):
-            raise GrammarError(param, "json_schema must be an object with 'name' and 'schema'")
-        name = spec.get("name")
-        if name is not None and not (isinstance(name, str) and re.fullmatch(r"[\w-]{1,64}", name)):
-            raise GrammarError(param, "json_schema.name must be 1-64 letters, digits, _ or -")
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise GrammarError(param, "json_schema.strict must be a boolean")
-        if "schema" not in spec:
-            raise GrammarError(param, "json_schema.schema is required")
-        spec = spec["schema"]
-    if kind == "json" and isinstance(spec, str):  # guided_json may come as JSON text
-        try:
-            spec = json.loads(spec)
-        except ValueError as exc:
-            raise GrammarError(param, f"the schema is not JSON: {exc}") from None
-    if kind in ("json_schema", "json"):
-        if not isinstance(spec, dict):
-            raise GrammarError(param, "the schema must be a JSON object")
+            raise GrammarError("the schema must be a JSON object")
         try:  # key order is kept: it is the order the properties are generated in
             text = json.dumps(spec, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise GrammarError(param, f"the schema is not JSON: {exc}") from None
+            raise GrammarError(f"the schema is not JSON: {exc}") from None
     elif kind == "regex":
         if not isinstance(spec, str):
-            raise GrammarError(param, "must be a string (a regular expression)")
+            raise GrammarError("must be a string (a regular expression)")
         text = spec
     elif kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec:
-            raise GrammarError(param, "must be a non-empty list of strings")
+            raise GrammarError("must be a non-empty list of strings")
         if not all(isinstance(c, str) for c in spec):
-            raise GrammarError(param, "every choice must be a string")
+            raise GrammarError("every choice must be a string")
         text = json.dumps(list(spec), ensure_ascii=False)
     else:
-        raise GrammarError(param, f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
+        raise GrammarError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
     if len(text) > MAX_SPEC_CHARS:
-        raise GrammarError(param, f"longer than {MAX_SPEC_CHARS} characters")
+        raise GrammarError(f"longer than {MAX_SPEC_CHARS} characters")
     return text
 
 
@@ -306,70 +277,21 @@ class Constraint:
 
 
 def compile_constraint(
-    kind: ConstraintKind,
-    spec: object,
-    tokenizer: Tokenizer,
-    *,
-    vocab_size: int | None = None,
-    param: str | None = None,
+    kind: ConstraintKind, spec: object, tokenizer: Tokenizer, *, vocab_size: int | None = None
 ) -> Constraint:
-    """A fresh constraint for one sequence. Raises GrammarError(param, message).
+    """A fresh constraint for one sequence. Raises GrammarError with a one-line message.
 
-    kind/spec: "json_object" (spec ignored), "json_schema" (spec: OpenAI's
-    `{"name", "schema", "strict"}`), "json" (spec: a bare JSON schema), "regex" (spec: a regular
-    expression the whole output must match, Rust `regex` syntax: no lookaround or backreferences),
-    "choice" (spec: a list of strings; the output is exactly one of them).
+    kind/spec: "json" (spec: a JSON schema as a dict; `JSON_OBJECT_SCHEMA` for any object),
+    "regex" (spec: a regular expression the whole output must match, Rust `regex` syntax: no
+    lookaround or backreferences), "choice" (spec: a list of strings; the output is exactly one).
     vocab_size: the model's logits width, if larger than the tokenizer's (padded vocabularies).
-    param: the request field named in errors (default: the field that usually carries `kind`).
-    The schema is always enforced; `strict` is accepted and changes nothing.
     """
-    param = param or DEFAULT_PARAM.get(kind, "response_format")
-    text = _spec_text(kind, spec, param)
+    text = _spec_text(kind, spec)
     vocab = grammar_vocab(tokenizer, vocab_size)
-    try:
-        compiled = _compile(kind, text, (tokenizer.name, vocab.vocab_size))
-    except _CompileError as exc:
-        raise GrammarError(param, str(exc)) from None
+    compiled = _compile(kind, text, (tokenizer.name, vocab.vocab_size))  # a failure is not cached
     with compiled.lock:
         matcher = compiled.matcher.deep_copy()
     return Constraint(matcher, kind, vocab.vocab_size, tokenizer.eot_token)
-
-
-def constraint_from_request(
-    tokenizer: Tokenizer,
-    *,
-    response_format: dict[str, Any] | None = None,
-    guided_json: object = None,
-    guided_regex: str | None = None,
-    guided_choice: Sequence[str] | None = None,
-    vocab_size: int | None = None,
-) -> Constraint | None:
-    """The constraint a request's fields ask for, or None; at most one of them may be set."""
-    asked: list[tuple[str, ConstraintKind, object]] = []  # (param, kind, spec)
-    if response_format is not None:
-        rf_type = response_format.get("type") if isinstance(response_format, dict) else None
-        if rf_type == "json_schema":
-            asked.append(("response_format", "json_schema", response_format.get("json_schema")))
-        elif rf_type == "json_object":
-            asked.append(("response_format", "json_object", None))
-        elif rf_type != "text":
-            raise GrammarError(
-                "response_format",
-                "must be an object whose type is text, json_object or json_schema",
-            )
-    if guided_json is not None:
-        asked.append(("guided_json", "json", guided_json))
-    if guided_regex is not None:
-        asked.append(("guided_regex", "regex", guided_regex))
-    if guided_choice is not None:
-        asked.append(("guided_choice", "choice", guided_choice))
-    if not asked:
-        return None
-    if len(asked) > 1:
-        names = ", ".join(param for param, _, _ in asked)
-        raise GrammarError(asked[1][0], f"only one of {names} may be set")
-    param, kind, spec = asked[0]
-    return compile_constraint(kind, spec, tokenizer, vocab_size=vocab_size, param=param)
 
 
 # ---- batches of rows ----

@@ -1,10 +1,12 @@
 """The request boundary: a parsed request body in, engine inputs out, or a 400 naming the field.
 
 pydantic (server.protocol) checks the shape and types of a body; everything else a request must
-satisfy is checked here, once: the server's limits (`Settings`), the engine's limits
-(`AsyncEngine.limits`: context length, vocabulary, KV pool), the sampler's ranges and the
-OpenAI rules between fields. What leaves `Validator.completion` or `Validator.chat` fits the
-engine; the engine's own check behind it is a guard, not a second source of errors.
+satisfy is checked here, once: the server's caps (`Settings`) and the engine's limits
+(`AsyncEngine.limits`: context length, vocabulary, KV pool), both through `engine.limits`, the
+sampler's ranges, the structured-output fields (`server.structured_request`) and the OpenAI
+rules between fields. What leaves `Validator.completion` or `Validator.chat` fits the engine;
+the engine's own check behind it (the same `engine.limits`) is a guard, not a second source of
+errors.
 """
 
 from __future__ import annotations
@@ -13,15 +15,8 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
-from engine.grammar import (
-    Constraint,
-    ConstraintKind,
-    GrammarError,
-    compile_constraint,
-    grammar_vocab,
-)
+from engine.grammar import grammar_vocab
 from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
 from engine.sampler import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
@@ -33,25 +28,13 @@ from server.protocol import (
     DetokenizeRequest,
     SamplingFields,
     StructuredFields,
-    StructuredOutputs,
     TokenizeRequest,
 )
 from server.request_fields import check_extra_fields
 from server.settings import Settings
+from server.structured_request import StructuredOutputError, constraint_from_fields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# older vLLM's top-level fields, each the same as a key of structured_outputs
-GUIDED_FIELDS: tuple[tuple[str, ConstraintKind], ...] = (
-    ("guided_json", "json"),
-    ("guided_regex", "regex"),
-    ("guided_choice", "choice"),
-)
-# structured_outputs keys that ask for a constraint this server cannot build
-UNSUPPORTED_STRUCTURED = {
-    "grammar": "grammars are not supported; use json, regex or choice",
-    "structural_tag": "structural tags are not supported; use json, regex or choice",
-    "whitespace_pattern": "whitespace_pattern is not supported: JSON is written without whitespace",
-}
 
 
 @dataclass
@@ -307,73 +290,17 @@ class Validator:
     def _constrain(self, req: StructuredFields, params: SamplingParams) -> None:
         """Compile the request's structured-output constraint (if any) onto params; last, after
         the cheap checks, since a new schema costs milliseconds to compile."""
-        params.constraint = self._constraint(req)
+        try:
+            asked = constraint_from_fields(req, self.tokenizer, self.limits.vocab_size)
+        except StructuredOutputError as exc:
+            raise bad_request(exc.message, exc.param) from None
+        params.constraint = None if asked is None else asked.constraint
         if params.constraint is not None and params.min_tokens and params.stop_token_ids:
             # min_tokens bans the stop tokens, and the grammar may allow nothing else
             raise bad_request(
                 "stop_token_ids cannot be combined with min_tokens in a structured-output request",
                 "stop_token_ids",
             )
-
-    def _constraint(self, req: StructuredFields) -> Constraint | None:
-        """The request's structured-output constraint, compiled, or None; a 400 naming the
-        field when it cannot be built or more than one is set."""
-        if req.guided_grammar is not None:
-            raise bad_request("guided_grammar is not supported", "guided_grammar")
-        asked: list[tuple[str, str, ConstraintKind, Any]] = []  # (param, where, kind, spec)
-        rf = req.response_format
-        if rf is not None and rf.type == "json_object":
-            asked.append(("response_format", "response_format", "json_object", None))
-        elif rf is not None and rf.type == "json_schema":
-            spec = rf.json_schema and rf.json_schema.model_dump(by_alias=True, exclude_none=True)
-            asked.append(("response_format", "response_format.json_schema", "json_schema", spec))
-        if req.structured_outputs is not None:
-            asked.extend(self._structured_outputs(req.structured_outputs))
-        for param, kind in GUIDED_FIELDS:
-            if getattr(req, param) is not None:
-                asked.append((param, param, kind, getattr(req, param)))
-        if not asked:
-            return None
-        if len(asked) > 1:
-            names = " and ".join(where for _, where, _, _ in asked[:2])
-            raise bad_request(
-                f"at most one structured-output constraint per request; got {names}", asked[1][0]
-            )
-        param, where, kind, spec = asked[0]
-        try:
-            return compile_constraint(
-                kind, spec, self.tokenizer, vocab_size=self.limits.vocab_size, param=param
-            )
-        except GrammarError as exc:
-            raise bad_request(f"{where}: {exc.message}", param) from None
-
-    def _structured_outputs(
-        self, so: StructuredOutputs
-    ) -> list[tuple[str, str, ConstraintKind, Any]]:
-        param = "structured_outputs"
-        for key, message in UNSUPPORTED_STRUCTURED.items():
-            if getattr(so, key) is not None:
-                raise bad_request(f"structured_outputs.{key}: {message}", param)
-        if so.disable_additional_properties:
-            raise bad_request(
-                "structured_outputs.disable_additional_properties is not supported; "
-                "set additionalProperties: false in the schema",
-                param,
-            )
-        asked: list[tuple[str, str, ConstraintKind, Any]] = []
-        if so.json_ is not None:
-            asked.append((param, "structured_outputs.json", "json", so.json_))
-        if so.regex is not None:
-            asked.append((param, "structured_outputs.regex", "regex", so.regex))
-        if so.choice is not None:
-            asked.append((param, "structured_outputs.choice", "choice", so.choice))
-        if so.json_object:
-            asked.append((param, "structured_outputs.json_object", "json_object", None))
-        if not asked:
-            raise bad_request(
-                "structured_outputs needs one of json, regex, choice or json_object", param
-            )
-        return asked
 
     def _stop_strings(self, stop: str | list[str] | None) -> list[str]:
         s = self.settings

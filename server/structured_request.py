@@ -1,0 +1,209 @@
+"""The structured-output fields of a request -> the one constraint it asks for, compiled.
+
+A request may ask in several ways: OpenAI's `response_format` (`json_object`, or `json_schema`
+with its `{"name", "schema", "strict"}` wrapper), vLLM's `structured_outputs` (`json`, `regex`,
+`choice`, `json_object`) and vLLM's older top-level `guided_json`, `guided_regex` and
+`guided_choice`. This module reads those fields, refuses what this server cannot build, allows at
+most one, and hands `engine.grammar` an already-decided spec (a JSON schema, a regular
+expression or a list of choices). Every error names the request field at fault
+(`StructuredOutputError.param`); `server.validation` answers it with a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine.grammar import (
+    JSON_OBJECT_SCHEMA,
+    Constraint,
+    ConstraintKind,
+    GrammarError,
+    compile_constraint,
+)
+from model.tokenizer import TextTokenizer
+from server.protocol import StructuredFields, StructuredOutputs
+
+# how a request asked: the wrapper it came in decides how its value is read
+RequestKind = Literal["json_object", "json_schema", "json", "regex", "choice"]
+# older vLLM's top-level fields, each the same as a key of structured_outputs
+GUIDED_FIELDS: tuple[tuple[str, RequestKind], ...] = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+)
+# structured_outputs keys that ask for a constraint this server cannot build
+UNSUPPORTED_STRUCTURED = {
+    "grammar": "grammars are not supported; use json, regex or choice",
+    "structural_tag": "structural tags are not supported; use json, regex or choice",
+    "whitespace_pattern": "whitespace_pattern is not supported: JSON is written without whitespace",
+}
+SCHEMA_NAME = re.compile(r"[\w-]{1,64}")  # OpenAI's rule for json_schema.name
+
+
+class StructuredOutputError(ValueError):
+    """A structured-output field this server cannot honour; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class StructuredAsk:
+    """One constraint field of a request, read but not compiled."""
+
+    param: str  # the request field named in errors
+    where: str  # the field's path in messages ("response_format.json_schema")
+    kind: RequestKind
+    value: Any  # as the request sent it
+
+    def spec(self) -> tuple[ConstraintKind, object]:
+        """The grammar engine's kind and spec for this field's value."""
+        if self.kind == "json_object":
+            return "json", JSON_OBJECT_SCHEMA
+        if self.kind == "json_schema":
+            return "json", self._schema_in_wrapper()
+        if self.kind == "json" and isinstance(self.value, str):  # a schema sent as JSON text
+            try:
+                return "json", json.loads(self.value)
+            except ValueError as exc:
+                raise self.error(f"the schema is not JSON: {exc}") from None
+        return self.kind, self.value
+
+    def _schema_in_wrapper(self) -> object:
+        """OpenAI's `json_schema` object -> its schema. The schema is always enforced; `strict`
+        is accepted and changes nothing."""
+        wrapper = self.value
+        if not isinstance(wrapper, dict):
+            raise self.error("json_schema must be an object with 'name' and 'schema'")
+        name = wrapper.get("name")
+        if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
+            raise self.error("json_schema.name must be 1-64 letters, digits, _ or -")
+        strict = wrapper.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise self.error("json_schema.strict must be a boolean")
+        if "schema" not in wrapper:
+            raise self.error("json_schema.schema is required")
+        return wrapper["schema"]
+
+    def compile(self, tokenizer: TextTokenizer, vocab_size: int | None = None) -> Constraint:
+        kind, spec = self.spec()
+        try:
+            return compile_constraint(kind, spec, tokenizer, vocab_size=vocab_size)
+        except GrammarError as exc:
+            raise self.error(exc.message) from None
+
+    def error(self, message: str) -> StructuredOutputError:
+        return StructuredOutputError(self.param, f"{self.where}: {message}")
+
+
+@dataclass(frozen=True)
+class RequestedConstraint:
+    """The constraint a request asked for, compiled: one sequence's (`fork()` it for more)."""
+
+    kind: RequestKind
+    param: str
+    constraint: Constraint
+
+
+def constraint_from_fields(
+    fields: StructuredFields, tokenizer: TextTokenizer, vocab_size: int | None = None
+) -> RequestedConstraint | None:
+    """The constraint a parsed request body asks for, or None; raises StructuredOutputError."""
+    if fields.guided_grammar is not None:
+        raise StructuredOutputError("guided_grammar", "guided_grammar is not supported")
+    asks: list[StructuredAsk] = []
+    rf = fields.response_format
+    if rf is not None and rf.type == "json_object":
+        asks.append(StructuredAsk("response_format", "response_format", "json_object", None))
+    elif rf is not None and rf.type == "json_schema":
+        wrapper = rf.json_schema and rf.json_schema.model_dump(by_alias=True, exclude_none=True)
+        where = "response_format.json_schema"
+        asks.append(StructuredAsk("response_format", where, "json_schema", wrapper))
+    if fields.structured_outputs is not None:
+        asks.extend(_structured_outputs(fields.structured_outputs))
+    for param, kind in GUIDED_FIELDS:
+        if getattr(fields, param) is not None:
+            asks.append(StructuredAsk(param, param, kind, getattr(fields, param)))
+    return _compile_one(asks, tokenizer, vocab_size)
+
+
+def constraint_from_request(
+    tokenizer: TextTokenizer,
+    *,
+    response_format: dict[str, Any] | None = None,
+    guided_json: object = None,
+    guided_regex: str | None = None,
+    guided_choice: Sequence[str] | None = None,
+    vocab_size: int | None = None,
+) -> RequestedConstraint | None:
+    """The same for a body's fields as plain JSON values (no pydantic model in between)."""
+    asks: list[StructuredAsk] = []
+    if response_format is not None:
+        rf_type = response_format.get("type") if isinstance(response_format, dict) else None
+        if rf_type == "json_schema":
+            wrapper = response_format.get("json_schema")
+            asks.append(
+                StructuredAsk("response_format", "response_format.json_schema", "json_schema",
+                              wrapper)
+            )  # fmt: skip
+        elif rf_type == "json_object":
+            asks.append(StructuredAsk("response_format", "response_format", "json_object", None))
+        elif rf_type != "text":
+            raise StructuredOutputError(
+                "response_format",
+                "response_format must be an object whose type is text, json_object or json_schema",
+            )
+    guided = {"guided_json": guided_json, "guided_regex": guided_regex,
+              "guided_choice": guided_choice}  # fmt: skip
+    for param, kind in GUIDED_FIELDS:
+        if guided[param] is not None:
+            asks.append(StructuredAsk(param, param, kind, guided[param]))
+    return _compile_one(asks, tokenizer, vocab_size)
+
+
+def _structured_outputs(so: StructuredOutputs) -> list[StructuredAsk]:
+    param = "structured_outputs"
+    for key, message in UNSUPPORTED_STRUCTURED.items():
+        if getattr(so, key) is not None:
+            raise StructuredOutputError(param, f"structured_outputs.{key}: {message}")
+    if so.disable_additional_properties:
+        raise StructuredOutputError(
+            param,
+            "structured_outputs.disable_additional_properties is not supported; "
+            "set additionalProperties: false in the schema",
+        )
+    asks: list[StructuredAsk] = []
+    if so.json_ is not None:
+        asks.append(StructuredAsk(param, "structured_outputs.json", "json", so.json_))
+    if so.regex is not None:
+        asks.append(StructuredAsk(param, "structured_outputs.regex", "regex", so.regex))
+    if so.choice is not None:
+        asks.append(StructuredAsk(param, "structured_outputs.choice", "choice", so.choice))
+    if so.json_object:
+        asks.append(StructuredAsk(param, "structured_outputs.json_object", "json_object", None))
+    if not asks:
+        raise StructuredOutputError(
+            param, "structured_outputs needs one of json, regex, choice or json_object"
+        )
+    return asks
+
+
+def _compile_one(
+    asks: list[StructuredAsk], tokenizer: TextTokenizer, vocab_size: int | None
+) -> RequestedConstraint | None:
+    """At most one constraint per request, compiled."""
+    if not asks:
+        return None
+    if len(asks) > 1:
+        names = " and ".join(ask.where for ask in asks[:2])
+        raise StructuredOutputError(
+            asks[1].param, f"at most one structured-output constraint per request; got {names}"
+        )
+    ask = asks[0]
+    return RequestedConstraint(ask.kind, ask.param, ask.compile(tokenizer, vocab_size))
