@@ -53,7 +53,7 @@ class DraftProposer:
         self.device = next(model.parameters()).device
         # tokens of each sequence fed to the draft as the sequence's own (its guesses after them
         # are the draft's, dropped before the next proposal whether they were checked or not)
-        self._real: dict[int, int] = {}
+        self._own_tokens_fed: dict[int, int] = {}
 
     @torch.inference_mode()
     def propose(self, seqs: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
@@ -64,11 +64,11 @@ class DraftProposer:
                 todo.append((s, k))
         feed = {}
         for s, _ in todo:
-            real = self._real.get(s.seq_id, 0)
-            if self.cache.seq_len(s.seq_id) > real:
-                self.cache.truncate(s.seq_id, real)
-            feed[s.seq_id] = s.token_ids[real:]
-            self._real[s.seq_id] = len(s.token_ids)
+            fed = self._own_tokens_fed.get(s.seq_id, 0)
+            if self.cache.seq_len(s.seq_id) > fed:
+                self.cache.truncate(s.seq_id, fed)
+            feed[s.seq_id] = s.token_ids[fed:]
+            self._own_tokens_fed[s.seq_id] = len(s.token_ids)
         guesses: dict[int, list[int]] = {s.seq_id: [] for s, _ in todo}
         for step in range(max((k for _, k in todo), default=0)):
             batch = [(s, feed[s.seq_id]) for s, k in todo if step < k]
@@ -85,7 +85,7 @@ class DraftProposer:
 
     def forget(self, seq_id: int) -> None:
         self.cache.free(seq_id)
-        self._real.pop(seq_id, None)
+        self._own_tokens_fed.pop(seq_id, None)
 
 
 @dataclass

@@ -41,7 +41,7 @@ _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _UNCOUNTED_PATHS = ("/health", "/metrics")
 
 
-class Gate:
+class AdmissionControl:
     """ASGI middleware: concurrency cap, Bearer auth on the API paths, and the body-size limit.
 
     The body is read here (at most max_body_bytes) and replayed to the app, so an oversized body
@@ -205,7 +205,7 @@ def create_app(
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    app.add_middleware(Gate, settings=settings, metrics=metrics)
+    app.add_middleware(AdmissionControl, settings=settings, metrics=metrics)
     return app
 
 
@@ -234,21 +234,25 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> dict:
-        aeng = state.require_ready()
+        async_engine = state.require_ready()
         card = {
             "id": state.loaded.name,
             "object": "model",
             "created": started,
             "owned_by": "gptserve",
-            "max_model_len": aeng.limits.max_model_len,
+            "max_model_len": async_engine.limits.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:
-        aeng = state.require_ready()
+        async_engine = state.require_ready()
         tokens = state.validator.tokenize(body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": aeng.limits.max_model_len}
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": async_engine.limits.max_model_len,
+        }
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict:

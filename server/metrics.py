@@ -21,28 +21,32 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = registry = CollectorRegistry()
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, buckets=buckets, registry=r)
+            return Histogram(name, doc, buckets=buckets, registry=registry)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+            return Counter(name, doc, labels, registry=registry)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, registry=r)
+            return Gauge(name, doc, registry=registry)
 
-        lat, tok = _LATENCY_BUCKETS, _TOKEN_BUCKETS
+        latency, per_token = _LATENCY_BUCKETS, _TOKEN_BUCKETS
         self.ttft = histogram(
-            "gptserve_time_to_first_token_seconds", "Request arrival to its first token.", lat
+            "gptserve_time_to_first_token_seconds", "Request arrival to its first token.", latency
         )
         self.itl = histogram(
-            "gptserve_inter_token_latency_seconds", "Time between tokens of one completion.", tok
+            "gptserve_inter_token_latency_seconds",
+            "Time between tokens of one completion.",
+            per_token,
         )
         self.e2e = histogram(
-            "gptserve_e2e_request_latency_seconds", "Request arrival to its last token.", lat
+            "gptserve_e2e_request_latency_seconds", "Request arrival to its last token.", latency
         )
-        self.step = histogram("gptserve_engine_step_seconds", "Duration of one engine step.", tok)
+        self.step = histogram(
+            "gptserve_engine_step_seconds", "Duration of one engine step.", per_token
+        )
         self.prompt_tokens = counter(
             "gptserve_prompt_tokens", "Prompt tokens of admitted requests."
         )
@@ -80,13 +84,13 @@ class Metrics:
         )
         self.failed_steps = gauge("gptserve_engine_failed_steps", "Engine steps that raised.")
 
-    def watch(self, aeng: AsyncEngine) -> None:
+    def watch(self, async_engine: AsyncEngine) -> None:
         """Read the engine's gauges at scrape time and count its steps."""
-        self.running.set_function(lambda: aeng.num_running)
-        self.waiting.set_function(lambda: aeng.num_waiting)
-        self.kv_usage.set_function(lambda: aeng.kv_usage)
-        self.failed_steps.set_function(lambda: aeng.num_failed_steps)
-        aeng.on_step = self.on_step
+        self.running.set_function(lambda: async_engine.num_running)
+        self.waiting.set_function(lambda: async_engine.num_waiting)
+        self.kv_usage.set_function(lambda: async_engine.kv_usage)
+        self.failed_steps.set_function(lambda: async_engine.num_failed_steps)
+        async_engine.on_step = self.on_step
 
     def on_step(self, stats: StepStats) -> None:
         """Called by the engine thread after each step."""

@@ -26,7 +26,7 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.runtime import ServerState
-from server.streams import Choice, ClientGone, RequestTimeout, Tracker, merged_events
+from server.streams import Choice, ChoiceTracker, ClientGone, RequestTimeout, merged_events
 from server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
 from server.validation import EngineInputs, Validator
 
@@ -47,16 +47,16 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass
-class Job:
+class AcceptedRequest:
     """One accepted request: everything the answer is built from."""
 
     kind: str  # "completion" or "chat"
     id: str
     created: int
     model: str
-    aeng: AsyncEngine
+    async_engine: AsyncEngine
     inputs: EngineInputs
-    tracker: Tracker
+    tracker: ChoiceTracker
     timeout: float
     stream_interval: int = 1  # a choice's tokens per chunk after its first (--stream-interval)
 
@@ -79,15 +79,21 @@ class Job:
         """Record an event; returns the choice and where its new text and logprobs begin."""
         choice = self.tracker.choices[index]
         text_start, lp_start = len(choice.text), len(choice.lp_tokens)
-        p = index // self.inputs.params.n
+        prompt_index = index // self.inputs.params.n
         if event.prompt_logprobs is not None:
-            prompt_lps[p] = event.prompt_logprobs
+            prompt_lps[prompt_index] = event.prompt_logprobs
         echo = self.inputs.echo_texts
         if echo is not None and text_start == 0:
-            lps = prompt_lps.get(p) if self.inputs.params.prompt_logprobs is not None else None
-            self.tracker.add_prompt(choice, self.inputs.prompts[p], echo[p], lps)
+            lps = (
+                prompt_lps.get(prompt_index)
+                if self.inputs.params.prompt_logprobs is not None
+                else None
+            )
+            self.tracker.add_prompt(
+                choice, self.inputs.prompts[prompt_index], echo[prompt_index], lps
+            )
         if event.logprobs and self.inputs.params.constraint is not None:
-            event.logprobs = [_possible(lp) for lp in event.logprobs]
+            event.logprobs = [_without_masked_alternatives(lp) for lp in event.logprobs]
         self.tracker.update(choice, event)
         return choice, text_start, lp_start
 
@@ -112,7 +118,7 @@ class Job:
         return self.tracker.chat_logprobs(choice, start)
 
 
-def _possible(lp: TokenLogprob) -> TokenLogprob:
+def _without_masked_alternatives(lp: TokenLogprob) -> TokenLogprob:
     """Without the alternatives a structured-output mask ruled out: their logprob is -inf (not
     JSON), and they were never possible. Fewer than `logprobs` may remain."""
     top = [(t, v) for t, v in lp.top if v > -math.inf]
@@ -133,8 +139,8 @@ def _timeout_error(seconds: float) -> APIError:
     return APIError(504, f"the request took longer than {seconds:g} seconds", code="timeout")
 
 
-def _check_queue(state: ServerState, aeng: AsyncEngine) -> None:
-    if aeng.num_waiting >= state.settings.max_queue:
+def _check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
+    if async_engine.num_waiting >= state.settings.max_queue:
         raise APIError(
             429, "the server is overloaded: too many requests are waiting; retry later",
             code="queue_full", headers={"Retry-After": "1"},
@@ -153,12 +159,12 @@ async def _answer(
     compiles: the request carries a structured-output constraint, whose grammar is compiled
     while checking it (milliseconds, up to a few hundred for a huge schema): off the event loop.
     """
-    aeng = state.require_ready()
+    async_engine = state.require_ready()
     if compiles:
         inputs = await run_in_threadpool(validate, state.validator)
     else:
         inputs = validate(state.validator)
-    _check_queue(state, aeng)
+    _check_queue(state, async_engine)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)
     tenant = request.scope.get(TENANT_SCOPE_KEY)
@@ -166,35 +172,39 @@ async def _answer(
         state.settings.prefix_cache_scope, tenant, params.cache_salt
     )
     state.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-    tracker = Tracker(len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter())
+    tracker = ChoiceTracker(
+        len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter()
+    )
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    job = Job(
-        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, aeng, inputs,
+    accepted = AcceptedRequest(
+        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, async_engine, inputs,
         tracker, state.settings.request_timeout, state.settings.stream_interval,
     )  # fmt: skip
     if inputs.stream:
-        return StreamingResponse(_stream(job), media_type="text/event-stream", headers=SSE_HEADERS)
-    await _collect(job, request)
-    choices = [_whole_choice(job, c) for c in job.tracker.choices]
+        return StreamingResponse(
+            _stream(accepted), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    await _collect(accepted, request)
+    choices = [_whole_choice(accepted, c) for c in accepted.tracker.choices]
     obj = "text_completion" if kind == "completion" else "chat.completion"
     out = {
-        "id": job.id,
+        "id": accepted.id,
         "object": obj,
-        "created": job.created,
-        "model": job.model,
+        "created": accepted.created,
+        "model": accepted.model,
         "choices": choices,
-        "usage": job.usage(),
+        "usage": accepted.usage(),
     }
     return JSONResponse(out)
 
 
-def _whole_choice(job: Job, c: Choice) -> dict:
+def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
     text = "".join(c.text)
-    if job.kind == "completion":
+    if accepted.kind == "completion":
         body = {"index": c.index, "text": text}
     else:
         body = {"index": c.index, "message": {"role": "assistant", "content": text}}
-    return {**body, "logprobs": job.logprobs(c), "finish_reason": c.finish_reason}
+    return {**body, "logprobs": accepted.logprobs(c), "finish_reason": c.finish_reason}
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
@@ -211,46 +221,51 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _answer(state, "chat", lambda v: v.chat(body), request, body.asks_for_structure)
 
 
-async def _collect(job: Job, request: Request) -> None:
+async def _collect(accepted: AcceptedRequest, request: Request) -> None:
     """Run a non-streaming request to the end; a client that hangs up aborts it."""
     prompt_lps: dict = {}
-    endpoint = job.kind
+    endpoint = accepted.kind
     try:
         async with aclosing(
             merged_events(
-                job.aeng, job.id, job.inputs.prompts, job.inputs.params, job.timeout, watch=request
+                accepted.async_engine,
+                accepted.id,
+                accepted.inputs.prompts,
+                accepted.inputs.params,
+                accepted.timeout,
+                watch=request,
             )
         ) as events:
             async for index, event in events:
-                choice, _, _ = job.apply(index, event, prompt_lps)
+                choice, _, _ = accepted.apply(index, event, prompt_lps)
                 if choice.error is not None:
                     raise _engine_error(choice.error)
     except RequestTimeout:
-        job.tracker.finish(endpoint, 504)
-        raise _timeout_error(job.timeout) from None
+        accepted.tracker.finish(endpoint, 504)
+        raise _timeout_error(accepted.timeout) from None
     except EngineDeadError as exc:
-        job.tracker.finish(endpoint, 503)
+        accepted.tracker.finish(endpoint, 503)
         raise _engine_stopped(exc) from None
     except ClientGone:
-        job.tracker.finish(endpoint, "disconnected")
+        accepted.tracker.finish(endpoint, "disconnected")
         raise
     except APIError as exc:
-        job.tracker.finish(endpoint, exc.status)
+        accepted.tracker.finish(endpoint, exc.status)
         raise
-    job.tracker.finish(endpoint, 200)
+    accepted.tracker.finish(endpoint, 200)
 
 
 def _delta(
-    job: Job, choice: Choice, event: TokenEvent, text_start: int, lp_start: int
+    accepted: AcceptedRequest, choice: Choice, event: TokenEvent, text_start: int, lp_start: int
 ) -> dict | None:
     """A stream chunk's choice with what the event released; None when it released nothing
     yet (a held-back stop-string prefix or partial character)."""
     text = "".join(choice.text[text_start:])
-    lps = job.logprobs(choice, lp_start)
-    new_lps = lps and lps["tokens" if job.kind == "completion" else "content"]
+    lps = accepted.logprobs(choice, lp_start)
+    new_lps = lps and lps["tokens" if accepted.kind == "completion" else "content"]
     if not text and event.finish_reason is None and not new_lps:
         return None
-    if job.kind == "completion":
+    if accepted.kind == "completion":
         body: dict = {"index": choice.index, "text": text}
     else:
         delta = {"content": text} if text or event.finish_reason is None else {}
@@ -258,12 +273,12 @@ def _delta(
     return {**body, "logprobs": lps, "finish_reason": event.finish_reason}
 
 
-async def _stream(job: Job) -> AsyncIterator[bytes]:
+async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
     """SSE chunks; errors after the start are one error event, then [DONE]."""
     status: int | str = 200
     prompt_lps: dict = {}
     try:
-        if job.kind == "chat":
+        if accepted.kind == "chat":
             opening = [
                 {
                     "index": c.index,
@@ -271,45 +286,51 @@ async def _stream(job: Job) -> AsyncIterator[bytes]:
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                for c in job.tracker.choices
+                for c in accepted.tracker.choices
             ]
-            yield sse(job.chunk(opening))
+            yield sse(accepted.chunk(opening))
         try:
             async with aclosing(
-                merged_events(job.aeng, job.id, job.inputs.prompts, job.inputs.params, job.timeout)
+                merged_events(
+                    accepted.async_engine,
+                    accepted.id,
+                    accepted.inputs.prompts,
+                    accepted.inputs.params,
+                    accepted.timeout,
+                )
             ) as events:
                 held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
                 sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
                 async for index, event in events:
-                    choice, text_start, lp_start = job.apply(index, event, prompt_lps)
+                    choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
                     if choice.error is not None:
                         raise _engine_error(choice.error)
                     text_start, lp_start = held.pop(index, (text_start, lp_start))
                     if (
                         event.finish_reason is None
                         and index in sent
-                        and choice.num_generated - sent[index] < job.stream_interval
+                        and choice.num_generated - sent[index] < accepted.stream_interval
                     ):
                         held[index] = (text_start, lp_start)  # --stream-interval: not yet
                         continue
-                    piece = _delta(job, choice, event, text_start, lp_start)
+                    piece = _delta(accepted, choice, event, text_start, lp_start)
                     if piece is not None:
                         sent[index] = choice.num_generated
-                        yield sse(job.chunk([piece]))
+                        yield sse(accepted.chunk([piece]))
         except RequestTimeout:
-            raise _timeout_error(job.timeout) from None
+            raise _timeout_error(accepted.timeout) from None
         except EngineDeadError as exc:
             raise _engine_stopped(exc) from None
-        if job.inputs.include_usage:
-            final = job.chunk([])
-            final["usage"] = job.usage()
+        if accepted.inputs.include_usage:
+            final = accepted.chunk([])
+            final["usage"] = accepted.usage()
             yield sse(final)
     except APIError as exc:
         status = exc.status
         yield sse(error_body(exc.message, exc.type, exc.param, exc.code), ascii_only=True)
     except BaseException:  # cancelled: the client went away (the engine request is aborted)
         status = "disconnected"
-        job.tracker.finish(job.kind, status)
+        accepted.tracker.finish(accepted.kind, status)
         raise
     yield SSE_DONE
-    job.tracker.finish(job.kind, status)
+    accepted.tracker.finish(accepted.kind, status)

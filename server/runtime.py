@@ -89,7 +89,7 @@ class ServerState:
         self.on_load_error: Callable[[str], None] | None = None
         self.on_engine_failure: Callable[[str], None] | None = None
         self.loaded: LoadedModel | None = None
-        self.aeng: AsyncEngine | None = None
+        self.async_engine: AsyncEngine | None = None
         self.validator: Validator | None = None
         self.load_error: str | None = None
         self.loader_thread: threading.Thread | None = None
@@ -121,31 +121,31 @@ class ServerState:
         """Build the engine around a loaded model and start its thread."""
         if self.closed:  # shut down while the model was loading
             return
-        s = self.settings
+        settings = self.settings
         config = EngineConfig(
-            max_num_seqs=s.max_num_seqs,
-            max_batch_tokens=s.max_batch_tokens,
-            kv_block_size=s.block_size,
-            kv_cache_bytes=int(s.kv_cache_gb * (1 << 30)),
-            prefix_caching=not s.no_prefix_cache,
-            speculative="draft" if s.draft_model else s.speculative,
-            num_speculative_tokens=s.num_speculative_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_batch_tokens=settings.max_batch_tokens,
+            kv_block_size=settings.block_size,
+            kv_cache_bytes=int(settings.kv_cache_gb * (1 << 30)),
+            prefix_caching=not settings.no_prefix_cache,
+            speculative="draft" if settings.draft_model else settings.speculative,
+            num_speculative_tokens=settings.num_speculative_tokens,
         )
-        aeng = AsyncEngine(
+        async_engine = AsyncEngine(
             lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft),
-            max_consecutive_failed_steps=s.max_consecutive_failed_steps,
+            max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
         )
-        aeng.on_failure = self._engine_failed
-        aeng.start()  # the Engine is built in the engine thread (see engine.async_engine)
-        limits = aeng.limits
-        validator = Validator(s, limits, loaded.name, loaded.tokenizer, loaded.template)
+        async_engine.on_failure = self._engine_failed
+        async_engine.start()  # the Engine is built in the engine thread (see engine.async_engine)
+        limits = async_engine.limits
+        validator = Validator(settings, limits, loaded.name, loaded.tokenizer, loaded.template)
         with self._lock:
             closed = self.closed  # shut down while the engine was being built?
             if not closed:
-                self.metrics.watch(aeng)
-                self.loaded, self.validator, self.aeng = loaded, validator, aeng
+                self.metrics.watch(async_engine)
+                self.loaded, self.validator, self.async_engine = loaded, validator, async_engine
         if closed:
-            aeng.stop()
+            async_engine.stop()
             return
         log.info(
             "serving %s from %s (context %d tokens, %d KV blocks of %d tokens)",
@@ -156,9 +156,9 @@ class ServerState:
     def stop(self) -> None:
         with self._lock:
             self.closed = True
-            aeng = self.aeng
-        if aeng is not None:
-            aeng.stop()
+            async_engine = self.async_engine
+        if async_engine is not None:
+            async_engine.stop()
 
     def _engine_failed(self, reason: str) -> None:  # called in the engine thread
         if self.on_engine_failure is not None:
@@ -167,16 +167,16 @@ class ServerState:
     @property
     def engine_failure(self) -> str | None:
         """Why the engine stopped serving (unhealthy or dead), or None while it serves."""
-        aeng = self.aeng
-        return None if aeng is None else aeng.dead or aeng.unhealthy
+        async_engine = self.async_engine
+        return None if async_engine is None else async_engine.dead or async_engine.unhealthy
 
     @property
     def ready(self) -> bool:
-        return self.aeng is not None and not self.aeng.dead
+        return self.async_engine is not None and not self.async_engine.dead
 
     def require_ready(self) -> AsyncEngine:
         """The engine, or a 503 that says why it cannot serve."""
-        if self.aeng is None:
+        if self.async_engine is None:
             if self.load_error:
                 raise APIError(
                     503, f"the model failed to load: {self.load_error}", code="model_load_failed"
@@ -184,29 +184,31 @@ class ServerState:
             raise APIError(
                 503, "the model is still loading", code="loading", headers={"Retry-After": "1"}
             )
-        if self.aeng.dead:
-            raise APIError(503, f"the engine has stopped: {self.aeng.dead}", code="engine_dead")
-        if self.aeng.unhealthy:
-            raise _unhealthy(self.aeng.unhealthy)
-        return self.aeng
+        if self.async_engine.dead:
+            raise APIError(
+                503, f"the engine has stopped: {self.async_engine.dead}", code="engine_dead"
+            )
+        if self.async_engine.unhealthy:
+            raise _unhealthy(self.async_engine.unhealthy)
+        return self.async_engine
 
     def health(self) -> tuple[int, dict]:
-        aeng = self.aeng
-        if aeng is None:
+        async_engine = self.async_engine
+        if async_engine is None:
             if self.load_error:
                 return 503, {"status": "failed", "error": self.load_error}
             return 503, {"status": "loading"}
         body = {
             "status": "ok",
             "model": self.loaded.name,
-            "failed_steps": aeng.num_failed_steps,
-            "running": aeng.num_running,
-            "waiting": aeng.num_waiting,
+            "failed_steps": async_engine.num_failed_steps,
+            "running": async_engine.num_running,
+            "waiting": async_engine.num_waiting,
         }
-        if aeng.dead:
-            return 503, {**body, "status": "dead", "error": aeng.dead}
-        if aeng.unhealthy:  # the body is also an OpenAI error: what every request now gets
-            return 503, {**body, "status": "unhealthy", **_unhealthy(aeng.unhealthy).body()}
+        if async_engine.dead:
+            return 503, {**body, "status": "dead", "error": async_engine.dead}
+        if async_engine.unhealthy:  # the body is also an OpenAI error: what every request now gets
+            return 503, {**body, "status": "unhealthy", **_unhealthy(async_engine.unhealthy).body()}
         return 200, body
 
 

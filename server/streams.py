@@ -40,7 +40,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def merged_events(
-    aeng: AsyncEngine,
+    async_engine: AsyncEngine,
     request_id: str,
     prompts: list[list[int]],
     params: SamplingParams,
@@ -56,7 +56,7 @@ async def merged_events(
 
     async def pump(p: int, ids: list[int]) -> None:
         try:
-            async for event in aeng.generate(f"{request_id}-{p}", ids, params):
+            async for event in async_engine.generate(f"{request_id}-{p}", ids, params):
                 queue.put_nowait((p * params.n + event.index, event))
         except Exception as exc:  # EngineDeadError, or a check that failed late
             queue.put_nowait((p, exc))
@@ -127,7 +127,7 @@ class Choice:
     last_token_at: float | None = None
 
 
-class Tracker:
+class ChoiceTracker:
     """Choices of one request plus its latency metrics."""
 
     def __init__(

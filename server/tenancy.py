@@ -18,13 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 
-# where the Gate (server.app) leaves the authenticated key's tenant in the ASGI scope
+# where AdmissionControl (server.app) leaves the authenticated key's tenant in the ASGI scope
 TENANT_SCOPE_KEY = "gptserve.tenant"
 SCOPES = ("key", "global")
 
 
 def key_tenant(key: bytes) -> str:
-    """An API key's tenant id: a digest, so the key itself goes no further than the Gate."""
+    """An API key's tenant id: a digest, so the key itself goes no further than AdmissionControl."""
     return hashlib.sha256(b"gptserve tenant\0" + key).hexdigest()[:32]
 
 

@@ -167,8 +167,8 @@ async def wait_loaded(state: ServerState, timeout: float) -> None:
     while not state.ready:
         if state.load_error is not None:
             raise RuntimeError(f"the model failed to load: {state.load_error}")
-        if state.aeng is not None and state.aeng.dead:
-            raise RuntimeError(f"the engine has stopped: {state.aeng.dead}")
+        if state.async_engine is not None and state.async_engine.dead:
+            raise RuntimeError(f"the engine has stopped: {state.async_engine.dead}")
         if loop.time() > deadline:
             raise RuntimeError(f"the model did not load within {timeout:g} seconds")
         await asyncio.sleep(0.05)

@@ -31,19 +31,21 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread(tiny_checkpoint: P
         threads["build"] = threading.current_thread().name
         return Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=2, num_blocks=16))
 
-    aeng = AsyncEngine(build)
-    engine = aeng.start()
+    async_engine = AsyncEngine(build)
+    engine = async_engine.start()
     try:
-        assert isinstance(engine, Engine) and aeng.engine is engine
+        assert isinstance(engine, Engine) and async_engine.engine is engine
 
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
         async def one() -> list[int]:
-            return [t async for e in aeng.generate("a", [1, 2, 3], params) for t in e.token_ids]
+            return [
+                t async for e in async_engine.generate("a", [1, 2, 3], params) for t in e.token_ids
+            ]
 
         tokens = asyncio.run(one())
     finally:
-        aeng.stop()
+        async_engine.stop()
     assert threads == {"build": "engine", "step": "engine"}
     # the same request run on an Engine directly: the same greedy tokens
     model.forward_cached = original
@@ -53,18 +55,18 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread(tiny_checkpoint: P
     while offline.has_work():
         expected += [t for e in offline.step() for t in e.token_ids]
     assert len(tokens) == 3 and tokens == expected
-    assert aeng.limits.max_model_len == 256 and aeng.limits.kv_cache_blocks == 16
+    assert async_engine.limits.max_model_len == 256 and async_engine.limits.kv_cache_blocks == 16
 
 
 def test_a_failing_build_is_raised_by_start_and_the_thread_ends():
     def build() -> Engine:
         raise ValueError("no room for the KV cache")
 
-    aeng = AsyncEngine(build)
+    async_engine = AsyncEngine(build)
     with pytest.raises(ValueError, match="no room"):
-        aeng.start()
-    aeng._thread.join(5)
-    assert not aeng._thread.is_alive() and aeng.engine is None
+        async_engine.start()
+    async_engine._thread.join(5)
+    assert not async_engine._thread.is_alive() and async_engine.engine is None
 
 
 def test_load_model_returns_the_model_or_raises_the_load_error(
@@ -104,7 +106,7 @@ def test_stop_while_the_engine_is_being_built_leaves_no_engine_running(
     assert building.wait(10)
     state.stop()  # the engine is half built: nothing to stop yet
     starter.join(10)
-    assert state.aeng is None and not state.ready
+    assert state.async_engine is None and not state.ready
     assert engine_threads() <= before
 
 
@@ -112,16 +114,16 @@ def test_a_request_the_engine_refuses_ends_each_completion_with_an_error(tiny_ch
     """The HTTP layer checks requests first (server.validation); should one still reach the
     engine and be refused there, each of its completions gets one error event."""
     model = load_checkpoint(tiny_checkpoint)
-    aeng = AsyncEngine(lambda: Engine(model, get_tokenizer(), EngineConfig(num_blocks=16)))
-    aeng.start()
+    async_engine = AsyncEngine(lambda: Engine(model, get_tokenizer(), EngineConfig(num_blocks=16)))
+    async_engine.start()
     try:
         params = SamplingParams(max_tokens=10, n=2)
 
         async def run() -> list:
-            return [e async for e in aeng.generate("long", [1] * 300, params)]
+            return [e async for e in async_engine.generate("long", [1] * 300, params)]
 
         events = asyncio.run(run())
     finally:
-        aeng.stop()
+        async_engine.stop()
     assert sorted(e.index for e in events) == [0, 1]
     assert all(e.finished and "maximum context length is 256" in e.error for e in events)

@@ -47,7 +47,7 @@ class LiveServer:
 
     @property
     def engine(self) -> Engine:
-        return self.state.aeng.engine
+        return self.state.async_engine.engine
 
     def wait_blocks_free(self, timeout: float = 5.0) -> bool:
         """True once every KV block is back in the pool (bounded wait)."""

@@ -84,14 +84,14 @@ def test_a_taken_port_is_one_line_exit_2_before_loading() -> None:
 GATED_SERVER = """
 import sys, time
 from pathlib import Path
-import server.runtime
-real = server.runtime.load_checkpoint
+import engine.loader
+real = engine.loader.load_checkpoint
 def gated(*args, **kwargs):
     deadline = time.monotonic() + 60
     while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return real(*args, **kwargs)
-server.runtime.load_checkpoint = gated
+engine.loader.load_checkpoint = gated
 from server.__main__ import main
 sys.exit(main(sys.argv[2:]))
 """

@@ -29,13 +29,13 @@ def test_queue_full_then_recovers(small_server: LiveServer) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    aeng = small_server.app.state.server.aeng
+    async_engine = small_server.app.state.server.async_engine
     with httpx.stream("POST", url, json=long, timeout=30) as running:
         lines = running.iter_lines()  # keep a reference: dropping it would close the connection
         next(lines)
         with httpx.stream("POST", url, json=long, timeout=30) as waiting:
             assert waiting.status_code == 200
-            assert wait_until(lambda: aeng.num_waiting >= 1)
+            assert wait_until(lambda: async_engine.num_waiting >= 1)
             r = httpx.post(url, json={"prompt": "b", "max_tokens": 1}, timeout=30)
             assert r.status_code == 429
             assert r.headers["retry-after"] == "1"
@@ -46,6 +46,6 @@ def test_queue_full_then_recovers(small_server: LiveServer) -> None:
             with pytest.raises(openai.RateLimitError):
                 client.completions.create(model=MODEL_NAME, prompt="c", max_tokens=1)
     assert small_server.wait_blocks_free()
-    assert wait_until(lambda: aeng.num_waiting == 0)
+    assert wait_until(lambda: async_engine.num_waiting == 0)
     r = httpx.post(url, json={"prompt": "b", "max_tokens": 3, "ignore_eos": True}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

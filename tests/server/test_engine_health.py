@@ -92,7 +92,7 @@ def test_requests_the_engine_holds_when_it_gives_up_end_with_an_error(
                 first = next(line for line in lines if line.startswith("data: {"))
                 assert json.loads(first[6:])["choices"]
                 waiting = pool.submit(post, live.url)  # behind the stream: max_num_seqs=1
-                assert wait_until(lambda: live.state.aeng.num_waiting >= 1)
+                assert wait_until(lambda: live.state.async_engine.num_waiting >= 1)
                 fail["on"] = True
                 rest = [line[6:] for line in lines if line.startswith("data: ")]
             err = assert_error(waiting.result(30), 503, "engine_error")
@@ -127,7 +127,7 @@ def test_a_transient_fault_fails_its_request_and_the_server_keeps_serving(
                 assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         health = httpx.get(live.url + "/health", timeout=10)
         assert health.status_code == 200 and health.json()["failed_steps"] == 6
-        assert live.state.aeng.consecutive_failed_steps == 0
+        assert live.state.async_engine.consecutive_failed_steps == 0
 
 
 # `python -m server` whose model's every step raises

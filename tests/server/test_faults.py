@@ -69,7 +69,7 @@ def test_failed_step_fails_only_its_requests_and_health_counts_it(
     two_seq_server: LiveServer,
 ) -> None:
     server = two_seq_server
-    engine, aeng = server.engine, server.app.state.server.aeng
+    engine, async_engine = server.engine, server.app.state.server.async_engine
     url = f"{server.url}/v1/completions"
     failed_before = httpx.get(f"{server.url}/health", timeout=10).json()["failed_steps"]
     model = engine.model
@@ -99,7 +99,7 @@ def test_failed_step_fails_only_its_requests_and_health_counts_it(
                 assert json.loads(next(x for x in lines if x.startswith("data: "))[6:])["choices"]
             thread = threading.Thread(target=waiting_request)
             thread.start()
-            assert wait_until(lambda: aeng.num_waiting >= 1)
+            assert wait_until(lambda: async_engine.num_waiting >= 1)
             armed.set()
             rest_a, rest_b = sse_data(lines_a), sse_data(lines_b)
         thread.join(60)

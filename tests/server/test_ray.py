@@ -364,7 +364,7 @@ def test_proxy_errors_get_the_openai_shape() -> None:
 
 
 def test_a_replica_is_ready_once_loaded_and_fails_on_a_load_error() -> None:
-    state = SimpleNamespace(ready=False, load_error=None, aeng=None)
+    state = SimpleNamespace(ready=False, load_error=None, async_engine=None)
 
     async def load_later() -> None:
         await asyncio.sleep(0.1)
@@ -574,7 +574,8 @@ def replica_that_falls_sick(marker_dir: Path) -> type[Replica]:
     class FallsSick(Replica):
         async def check_health(self) -> None:
             if self.loaded and (marker_dir / replica_id()).exists():
-                self.state.aeng.engine.has_work = injected_fault  # the engine loop's next turn
+                engine = self.state.async_engine.engine
+                engine.has_work = injected_fault  # the engine loop's next turn
             await super().check_health()
 
     return FallsSick
