@@ -198,12 +198,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line, made from the Settings fields."""
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m server",
         description="Serve a gptserve or Hugging Face GPT-2 checkpoint over an OpenAI-compatible API.",
         formatter_class=_HelpFormatter,
     )
-    groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
+    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
     hints = typing.get_type_hints(Settings)
     for f in fields(Settings):
         meta = f.metadata
@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kwargs.update(type=_scalar_type(hints[f.name]), default=f.default)
         groups[meta["group"]].add_argument(f"--{flag_name(f)}", **kwargs)
-    return p
+    return parser
 
 
 def _scalar_type(hint: Any) -> type:

@@ -118,11 +118,12 @@ def constraint_from_fields(
     if fields.guided_grammar is not None:
         raise StructuredOutputError("guided_grammar", "guided_grammar is not supported")
     asks: list[StructuredAsk] = []
-    rf = fields.response_format
-    if rf is not None and rf.type == "json_object":
+    response_format = fields.response_format
+    if response_format is not None and response_format.type == "json_object":
         asks.append(StructuredAsk("response_format", "response_format", "json_object", None))
-    elif rf is not None and rf.type == "json_schema":
-        wrapper = rf.json_schema and rf.json_schema.model_dump(by_alias=True, exclude_none=True)
+    elif response_format is not None and response_format.type == "json_schema":
+        given = response_format.json_schema
+        wrapper = given and given.model_dump(by_alias=True, exclude_none=True)
         where = "response_format.json_schema"
         asks.append(StructuredAsk("response_format", where, "json_schema", wrapper))
     if fields.structured_outputs is not None:
@@ -167,25 +168,25 @@ def constraint_from_request(
     return _compile_one(asks, tokenizer, vocab_size)
 
 
-def _structured_outputs(so: StructuredOutputs) -> list[StructuredAsk]:
+def _structured_outputs(structured: StructuredOutputs) -> list[StructuredAsk]:
     param = "structured_outputs"
     for key, message in UNSUPPORTED_STRUCTURED.items():
-        if getattr(so, key) is not None:
+        if getattr(structured, key) is not None:
             raise StructuredOutputError(param, f"structured_outputs.{key}: {message}")
-    if so.disable_additional_properties:
+    if structured.disable_additional_properties:
         raise StructuredOutputError(
             param,
             "structured_outputs.disable_additional_properties is not supported; "
             "set additionalProperties: false in the schema",
         )
     asks: list[StructuredAsk] = []
-    if so.json_ is not None:
-        asks.append(StructuredAsk(param, "structured_outputs.json", "json", so.json_))
-    if so.regex is not None:
-        asks.append(StructuredAsk(param, "structured_outputs.regex", "regex", so.regex))
-    if so.choice is not None:
-        asks.append(StructuredAsk(param, "structured_outputs.choice", "choice", so.choice))
-    if so.json_object:
+    if structured.json_ is not None:
+        asks.append(StructuredAsk(param, "structured_outputs.json", "json", structured.json_))
+    if structured.regex is not None:
+        asks.append(StructuredAsk(param, "structured_outputs.regex", "regex", structured.regex))
+    if structured.choice is not None:
+        asks.append(StructuredAsk(param, "structured_outputs.choice", "choice", structured.choice))
+    if structured.json_object:
         asks.append(StructuredAsk(param, "structured_outputs.json_object", "json_object", None))
     if not asks:
         raise StructuredOutputError(

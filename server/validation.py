@@ -96,10 +96,10 @@ class Validator:
     @functools.cached_property
     def request_limits(self) -> RequestLimits:
         """The engine's limits with this server's caps on one request."""
-        s = self.settings
+        settings = self.settings
         return RequestLimits(
-            self.limits, max_n=s.max_n, max_tokens=s.max_tokens_limit,
-            max_prompt_tokens=s.max_prompt_tokens, max_logprobs=s.max_logprobs,
+            self.limits, max_n=settings.max_n, max_tokens=settings.max_tokens_limit,
+            max_prompt_tokens=settings.max_prompt_tokens, max_logprobs=settings.max_logprobs,
         )  # fmt: skip
 
     # ---- endpoints ------------------------------------------------------------------------
@@ -303,16 +303,16 @@ class Validator:
             )
 
     def _stop_strings(self, stop: str | list[str] | None) -> list[str]:
-        s = self.settings
+        settings = self.settings
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > s.max_stop:
-            raise bad_request(f"at most {s.max_stop} stop strings", "stop")
+        if len(stops) > settings.max_stop:
+            raise bad_request(f"at most {settings.max_stop} stop strings", "stop")
         for text in stops:
             if not text:
                 raise bad_request("stop strings must not be empty", "stop")
-            if len(text) > s.max_stop_length:
+            if len(text) > settings.max_stop_length:
                 raise bad_request(
-                    f"stop strings are limited to {s.max_stop_length} characters", "stop"
+                    f"stop strings are limited to {settings.max_stop_length} characters", "stop"
                 )
         return stops
 
