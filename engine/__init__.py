@@ -5,7 +5,8 @@ each gets (a `StepPlan`), `engine.py` runs the model over the paged KV cache (`k
 blocks in `block_pool.py`, prompt reuse in `prefix_index.py`) and samples (`sampler.py`, with
 `grammar.py` masks and `verify.py` for speculative guesses from `proposers.py`), and turns the
 tokens into events on each `Sequence`. `async_engine.py` drives it from a thread for the server;
-`loader.py` builds a servable model from a checkpoint; `python -m engine` generates offline.
+`loader.py` builds a servable model from a checkpoint; `limits.py` says what one request may ask
+(the engine and the server check the same rules); `python -m engine` generates offline.
 """
 
 from engine.engine import Engine, EngineConfig, RequestError
