@@ -30,7 +30,7 @@ from model import GPT, get_tokenizer, load_checkpoint
 from model.quantize import weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "model" / "default_model"
+DEFAULT_MODEL = REPO / "model" / "shakespeare"
 CORPUS = REPO / "data" / "shakespeare.txt"
 NEW_TOKENS = 128
 

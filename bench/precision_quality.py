@@ -33,8 +33,8 @@ from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import prepare_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from model import (  # noqa: E402
-    DEFAULT_MODEL_DIR,  # noqa: E402
     GPT,
+    SHAKESPEARE_DIR,  # noqa: E402
     ModelConfig,
     get_tokenizer,
     load_checkpoint,
@@ -91,7 +91,7 @@ def common_start(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--model", default=str(SHAKESPEARE_DIR))
     p.add_argument("--data", default=str(REPO / "data" / "shakespeare.txt"))
     p.add_argument("--windows", type=int, default=64, help="validation windows of block_size")
     p.add_argument("--prompts", type=int, default=20)

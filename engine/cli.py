@@ -11,15 +11,19 @@ import sys
 from engine.engine import Engine, EngineConfig, RequestError
 from engine.loader import ModelLoadError, load_for_inference
 from engine.sampler import SamplingError, SamplingParams
-from model import DEFAULT_MODEL_DIR
 from model.dtypes import DTYPES
+from model.known_models import FetchError, resolve_model
 from model.quantize import QUANTIZATIONS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n")[0])
     parser.add_argument("prompt", help="the text to continue")
-    parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint directory")
+    parser.add_argument(
+        "--model", default=None,
+        help="a checkpoint directory, a GGUF file, or a known model's name: smollm2-135m-instruct "
+        "(the default; fetched once) or shakespeare (bundled)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=0)
@@ -49,14 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop, n=args.n,
     )  # fmt: skip
     try:
+        path = resolve_model(
+            args.model, warn=lambda line: print(f"warning: {line}", file=sys.stderr)
+        )
         loaded = load_for_inference(
-            args.model, device=args.device, dtype=args.dtype, quantization=args.quantize
+            path, device=args.device, dtype=args.dtype, quantization=args.quantize
         )
         tokenizer = loaded.tokenizer
         engine = Engine(loaded.model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
-        prompt = tokenizer.encode(args.prompt) or [tokenizer.eot_token]
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=True) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
-    except (ModelLoadError, SamplingError, RequestError, RuntimeError) as exc:
+    except (ModelLoadError, FetchError, SamplingError, RequestError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     texts: dict[int, list[str]] = {i: [] for i in range(args.n)}

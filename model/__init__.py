@@ -7,11 +7,12 @@ from model.config import ConfigError, ModelConfig
 from model.gpt import GPT
 from model.tokenizer import Tokenizer, get_tokenizer
 
-# the bundled model that `python -m server` serves when no --model is given
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# the bundled model `train.py` made (`--model shakespeare`); the default one is fetched by name
+# (model.known_models), and this one serves when that cannot be fetched
+SHAKESPEARE_DIR = Path(__file__).resolve().parent / "shakespeare"
 
 __all__ = [
-    "DEFAULT_MODEL_DIR",
+    "SHAKESPEARE_DIR",
     "GPT",
     "CheckpointError",
     "ConfigError",

@@ -16,10 +16,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-SHAKESPEARE_DIR = Path(__file__).resolve().parent / "default_model"
+from model import SHAKESPEARE_DIR
 
 
 class FetchError(RuntimeError):
@@ -111,3 +112,28 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def known_name(spec: str | None) -> str | None:
+    """The known model `--model spec` names (None: the default), or None when spec is a path.
+    An existing file or folder of that name wins over a known name."""
+    if spec is None:
+        return DEFAULT_MODEL_NAME
+    return spec if is_known(spec) and not Path(spec).exists() else None
+
+
+def resolve_model(spec: str | None, warn: Callable[[str], None] | None = None) -> Path:
+    """`--model`'s value as a local path. A path stays as given; a known name is fetched on first
+    use. With no --model, the default model; when it cannot be fetched, `warn` gets one line and
+    the bundled Shakespeare model serves instead."""
+    name = known_name(spec)
+    if name is None:
+        return Path(spec)
+    try:
+        return fetch_known_model(name)
+    except FetchError as exc:
+        if spec is not None:
+            raise
+        if warn is not None:
+            warn(f"the default model {name} cannot be fetched ({exc}); serving shakespeare")
+        return SHAKESPEARE_DIR

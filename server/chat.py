@@ -1,4 +1,5 @@
-"""The plain-text chat template: messages -> one prompt string, plus the chat's default stop strings.
+"""Chat formats: messages -> one prompt string. A checkpoint's Jinja template (`JinjaChat`), or the
+plain-text chat template with its default stop strings (`ChatTemplate`).
 
 The default renders each message as "{name}: {content}" on its own line, the speaker being the
 message's `name` or else its role's display name ("User: hi", "ROMEO: hi"), and ends with
@@ -14,6 +15,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from model.chat_template import ChatTemplateError as JinjaTemplateError
+from model.chat_template import JinjaChatTemplate
 
 TEMPLATE_FILE = "chat_template.txt"
 ROLE_NAMES = {
@@ -34,6 +39,13 @@ class ChatTemplate:
     message: str = "{name}: {content}\n"
     prefix: str = "Assistant:"
     stop: tuple[str, ...] = field(default=("\nUser:",))
+    specials_in_prompt = False  # "<|endoftext|>" in a message is text
+
+    def render_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The same as `render`, for messages as dicts (role, content, name)."""
+        return self.render([(m["role"], m.get("content") or "", m.get("name")) for m in messages])
 
     def render(self, messages: Sequence[tuple[str, str] | tuple[str, str, str | None]]) -> str:
         """(role, content) or (role, content, name) messages -> the prompt. {role} is the raw
@@ -115,3 +127,48 @@ def _fill(template: str, values: dict[str, str]) -> str:
         end = match.end()
     out.append(template[end:])
     return "".join(out)
+
+
+class JinjaChat:
+    """A checkpoint's Jinja chat template as the server's chat format. It has no stop strings
+    (the model's end tokens end a turn) and the special tokens it writes (`<|im_start|>`, ...) are
+    encoded as tokens."""
+
+    stop: tuple[str, ...] = ()
+    specials_in_prompt = True
+
+    def __init__(self, template: JinjaChatTemplate) -> None:
+        self.template = template
+
+    def render_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return self.template.render(messages, tools=tools)
+
+
+ChatFormat = ChatTemplate | JinjaChat
+
+
+def load_chat_format(path: Path, tokenizer: Any, override: Path | None = None) -> ChatFormat:
+    """The chat format a checkpoint serves with: `--chat-template FILE` (Jinja), else the
+    checkpoint's Jinja template (a Hugging Face directory's, a GGUF file's metadata), else its
+    chat_template.txt, else the plain "Role: content" default. Raises a ChatTemplateError."""
+    specials = {
+        "bos_token": getattr(tokenizer, "bos_token", None) or "",
+        "eos_token": getattr(tokenizer, "eos_token", None) or "",
+    }
+    try:
+        if override is not None:
+            return JinjaChat(JinjaChatTemplate.from_file(override, specials))
+        if path.suffix == ".gguf" and path.is_file():
+            from model.gguf_checkpoint import read_metadata
+
+            source = read_metadata(path).get("tokenizer.chat_template")
+            return JinjaChat(JinjaChatTemplate(source, specials)) if source else ChatTemplate()
+        if path.is_dir():
+            found = JinjaChatTemplate.from_directory(path, specials)
+            if found is not None:
+                return JinjaChat(found)
+    except JinjaTemplateError as exc:
+        raise ChatTemplateError(str(exc)) from None
+    return ChatTemplate.for_checkpoint(path if path.is_dir() else None)

@@ -16,12 +16,13 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
 from engine.loader import ModelLoadError, check_load, load_for_inference
-from model import GPT
+from model import GPT, SHAKESPEARE_DIR
+from model.known_models import FetchError, resolve_model
 from model.tokenizer import TextTokenizer
-from server.chat import ChatTemplate
+from server.chat import ChatFormat, load_chat_format
 from server.errors import APIError
 from server.metrics import Metrics
-from server.settings import DEFAULT_MODEL_DIR, Settings
+from server.settings import Settings
 from server.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class LoadedModel:
     model: GPT
     tokenizer: TextTokenizer
     name: str
-    template: ChatTemplate
+    template: ChatFormat
     path: Path
     draft: GPT | None = None  # the draft model of speculative decoding (--draft-model)
 
@@ -43,28 +44,33 @@ def preflight(settings: Settings) -> None:
     """The checks that need no loading (directory, device, dtype with --quantize): `python -m
     server` runs them before it binds its port, so these mistakes exit at once. Raises
     ModelLoadError."""
-    path = settings.model_path
-    if not path.is_dir():
-        if settings.model is None:
-            raise ModelLoadError(
-                f"no --model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
-            )
-        raise ModelLoadError(f"checkpoint directory {path} does not exist")
+    path, name = settings.model_path, settings.model_name
+    if name == "shakespeare" and not path.is_dir():
+        raise ModelLoadError(f"the bundled shakespeare model is missing at {path}")
+    if name is None and not (path.is_dir() or (path.suffix == ".gguf" and path.is_file())):
+        raise ModelLoadError(f"checkpoint {path} does not exist (a directory or a .gguf file)")
     check_load(settings.device, settings.dtype, settings.quantize)
 
 
 def load_model(settings: Settings) -> LoadedModel:
     """Load the checkpoint (engine.loader), then its chat template; raises ModelLoadError."""
     preflight(settings)
+    try:
+        path = resolve_model(settings.model, warn=log.warning)
+    except FetchError as exc:
+        raise ModelLoadError(str(exc)) from None
     loaded = load_for_inference(
-        settings.model_path, device=settings.device, dtype=settings.dtype,
+        path, device=settings.device, dtype=settings.dtype,
         quantization=settings.quantize, draft_path=settings.draft_model,
     )  # fmt: skip
     try:
-        template = ChatTemplate.for_checkpoint(loaded.path)
+        override = Path(settings.chat_template) if settings.chat_template else None
+        template = load_chat_format(loaded.path, loaded.tokenizer, override)
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
-    name = settings.served_model_name or loaded.name
+    known = settings.model_name
+    fell_back = known is not None and known != "shakespeare" and path == SHAKESPEARE_DIR
+    name = settings.served_model_name or ("shakespeare" if fell_back else known) or loaded.name
     return LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
 
 

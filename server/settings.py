@@ -14,7 +14,8 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from model import DEFAULT_MODEL_DIR
+from model import SHAKESPEARE_DIR
+from model.known_models import cached_path, known_name
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
 GROUPS = {
@@ -54,7 +55,9 @@ def flag(
 @dataclass
 class Settings:
     model: str | None = flag(
-        None, f"checkpoint directory (default: the bundled {DEFAULT_MODEL_DIR})"
+        None,
+        "a checkpoint directory, a GGUF file, or a known model's name: "
+        "smollm2-135m-instruct (the default; fetched once) or shakespeare (bundled)",
     )
     host: str = flag("127.0.0.1", "address to bind")
     port: int = flag(8000, "port to bind", low=0, high=65535)
@@ -64,6 +67,9 @@ class Settings:
     )  # fmt: skip
     served_model_name: str | None = flag(
         None, "model name in the API (default: the checkpoint directory's name)"
+    )
+    chat_template: str | None = flag(
+        None, "a Jinja chat template file used instead of the checkpoint's own"
     )
     device: str = flag("auto", "auto: CUDA if available", choices=("auto", "cpu", "cuda"))
     dtype: str = flag(
@@ -156,8 +162,17 @@ class Settings:
     )  # fmt: skip
 
     @property
+    def model_name(self) -> str | None:
+        """The known model --model names (model.known_models), or None for a path."""
+        return known_name(self.model)
+
+    @property
     def model_path(self) -> Path:
-        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
+        """The path given, or where the known model lives (once fetched)."""
+        name = self.model_name
+        if name is None:
+            return Path(self.model or ".")
+        return SHAKESPEARE_DIR if name == "shakespeare" else cached_path(name)
 
     def validate(self) -> Settings:
         """Raise SettingsError for the first value outside its flag's range; returns self."""

@@ -20,7 +20,7 @@ from engine.grammar import grammar_vocab
 from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
 from engine.sampler import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
-from server.chat import ChatTemplate
+from server.chat import ChatFormat
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatCompletionRequest,
@@ -67,15 +67,20 @@ def limit_as_400() -> Iterator[None]:
         raise bad_request(str(exc), exc.param, code=exc.code) from None
 
 
-def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
-    """Text -> ids; the empty string becomes [end-of-text] (GPT-2 has no BOS token)."""
+def encode_text(
+    tokenizer: Tokenizer, text: str, param: str, allow_special: bool | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:  # fmt: skip
+    """Text -> ids; the empty string becomes [BOS] or, with no BOS (GPT-2), [end-of-text].
+    add_special_tokens prepends BOS where the tokenizer does (a Llama prompt)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise bad_request("the text contains invalid Unicode (lone surrogates)", param) from None
     if not text:
-        return [tokenizer.eot_token]
-    return tokenizer.encode(text)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        return [bos if bos is not None else tokenizer.eot_token]
+    return tokenizer.encode(text, allow_special, add_special_tokens)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class Validator:
     limits: EngineLimits
     name: str  # the served model's name
     tokenizer: Tokenizer
-    template: ChatTemplate
+    template: ChatFormat
 
     def __post_init__(self) -> None:
         # the grammar engine's view of the vocabulary (0.15 s for GPT-2): built here, at startup,
@@ -190,7 +195,7 @@ class Validator:
         texts: list[str | None] = []
         for item in items:
             if isinstance(item, str):
-                ids.append(encode_text(self.tokenizer, item, "prompt"))
+                ids.append(encode_text(self.tokenizer, item, "prompt", add_special_tokens=True))
                 texts.append(item)
             else:
                 if not item:
@@ -209,8 +214,16 @@ class Validator:
                 content = msg.content
             else:
                 content = "".join(part.text for part in msg.content)
-            messages.append((msg.role, content, msg.name))
-        return encode_text(self.tokenizer, self.template.render(messages), "messages")
+            message: dict = {"role": msg.role, "content": content}
+            if msg.name:
+                message["name"] = msg.name
+            messages.append(message)
+        try:
+            text = self.template.render_messages(messages)
+        except ValueError as exc:  # a Jinja template raised (raise_exception) or failed
+            raise bad_request(f"the chat template failed: {exc}", "messages") from None
+        allow = True if self.template.specials_in_prompt else None  # the template's own tokens
+        return encode_text(self.tokenizer, text, "messages", allow_special=allow)
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not self.tokenizer.is_valid(t) for t in ids):

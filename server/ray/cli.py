@@ -88,7 +88,7 @@ def parse_app_args(args: Mapping[str, Any]) -> tuple[Settings, ScaleOptions]:
         settings = settings_from_args(argv)
     except SystemExit:  # argparse has printed what it could not parse
         raise SettingsError(f"invalid application arguments: {dict(args)}") from None
-    if settings.model is not None:  # replicas may run elsewhere: the path they get is absolute
+    if settings.model_name is None:  # replicas may run elsewhere: the path they get is absolute
         settings.model = str(Path(settings.model).expanduser().resolve())
     return settings, ScaleOptions(**scale).validate()
 
@@ -150,7 +150,7 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Settings, ScaleOptions, st
     values = vars(scale)
     address = values.pop("address")
     settings = settings_from_args([*RAY_DEFAULTS, *rest])
-    if settings.model is not None:
+    if settings.model_name is None:
         settings.model = str(Path(settings.model).expanduser().resolve())
     return settings, ScaleOptions(**values).validate(), address
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import DEFAULT_MODEL_DIR, GPT, ModelConfig, load_checkpoint
+from model import GPT, SHAKESPEARE_DIR, ModelConfig, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.quantize import (
     MANY_ROWS,
@@ -196,7 +196,7 @@ def held_out_windows(shakespeare_path, tmp_path_factory) -> torch.Tensor:
     """(16, 257) token windows spread evenly over the validation split that training used."""
     from training.data import split_tokens, tokenize_cached
 
-    config = ModelConfig.from_dict(json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()))
+    config = ModelConfig.from_dict(json.loads((SHAKESPEARE_DIR / "config.json").read_text()))
     path = tokenize_cached([shakespeare_path], tmp_path_factory.mktemp("tokens"), progress=False)
     _, val = split_tokens(np.fromfile(path, dtype=np.uint16), config.block_size, 0.1)
     T = config.block_size
@@ -215,7 +215,7 @@ def validation_loss(model: GPT, windows: torch.Tensor, batch: int = 4) -> float:
 
 @pytest.fixture(scope="module")
 def float32_loss(held_out_windows) -> float:
-    return validation_loss(load_checkpoint(DEFAULT_MODEL_DIR), held_out_windows)
+    return validation_loss(load_checkpoint(SHAKESPEARE_DIR), held_out_windows)
 
 
 @pytest.mark.parametrize(
@@ -226,7 +226,7 @@ def float32_loss(held_out_windows) -> float:
 def test_the_default_model_loses_under_1_percent_of_its_validation_loss(
     dtype, method, held_out_windows, float32_loss
 ):
-    model = load_checkpoint(DEFAULT_MODEL_DIR, dtype=dtype)
+    model = load_checkpoint(SHAKESPEARE_DIR, dtype=dtype)
     model = optimize_for_cpu(quantize(model, method))  # as the server loads it
     loss = validation_loss(model, held_out_windows)
     assert 4.0 < float32_loss < 5.2  # the model README's 4.585 is over other windows

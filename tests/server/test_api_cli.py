@@ -34,12 +34,12 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
-def test_missing_default_model_is_one_line_exit_2() -> None:
+def test_missing_bundled_model_is_one_line_exit_2() -> None:
     missing = "/nonexistent/default_model"
     code = (
         "import sys, model; from pathlib import Path; "
-        f"model.DEFAULT_MODEL_DIR = Path({missing!r}); "
-        "from server.__main__ import main; sys.exit(main(['--port', '1']))"
+        f"model.SHAKESPEARE_DIR = Path({missing!r}); "
+        "from server.__main__ import main; sys.exit(main(['--model', 'shakespeare', '--port', '1']))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60

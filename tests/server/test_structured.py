@@ -26,7 +26,7 @@ from openai import OpenAI
 from engine.engine import Engine, EngineConfig
 from engine.grammar import Constraint, compile_constraint
 from engine.sampler import SamplingParams
-from model import DEFAULT_MODEL_DIR, GPT, Tokenizer, get_tokenizer, load_checkpoint
+from model import GPT, SHAKESPEARE_DIR, Tokenizer, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
 from server.settings import Settings
 from tests.schemas import BOUNDED_MAX_TOKENS, BOUNDED_SCHEMAS, CHOICES, REGEXES
@@ -131,7 +131,7 @@ def tok() -> Tokenizer:
 def test_every_constrained_output_is_valid(
     which: str, tiny_checkpoint: Path, tok: Tokenizer
 ) -> None:
-    path = tiny_checkpoint if which == "tiny" else DEFAULT_MODEL_DIR
+    path = tiny_checkpoint if which == "tiny" else SHAKESPEARE_DIR
     model = optimize_for_cpu(load_checkpoint(path, dtype=torch.float32))
     runs = sweep(model, tok)
     assert sum(r.kind == "json" for r in runs) >= 50
@@ -469,7 +469,7 @@ def test_engine_keeps_serving_after_everything(live: LiveServer) -> None:
 
 
 def test_default_model_over_http() -> None:
-    with live_server(Settings(model=str(DEFAULT_MODEL_DIR), max_num_seqs=8)) as server:
+    with live_server(Settings(model=str(SHAKESPEARE_DIR), max_num_seqs=8)) as server:
         for schema in BOUNDED_SCHEMAS[::10]:
             body = {
                 "messages": [{"role": "user", "content": "ROMEO, answer in JSON."}],

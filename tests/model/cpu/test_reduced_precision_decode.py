@@ -7,7 +7,7 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from engine.sampler import SamplingParams
-from model import DEFAULT_MODEL_DIR, get_tokenizer, load_checkpoint
+from model import SHAKESPEARE_DIR, get_tokenizer, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.quantize import quantize
 
@@ -23,7 +23,7 @@ PROMPTS = [
     ids=["bf16", "int8", "int8-bf16"],
 )
 def test_the_engine_decodes_what_the_full_forward_predicts(dtype, method):
-    model = optimize_for_cpu(quantize(load_checkpoint(DEFAULT_MODEL_DIR, dtype=dtype), method))
+    model = optimize_for_cpu(quantize(load_checkpoint(SHAKESPEARE_DIR, dtype=dtype), method))
     tok = get_tokenizer()
     engine = Engine(model, tok, EngineConfig(max_num_seqs=4))
     assert engine.cache.k.dtype == dtype

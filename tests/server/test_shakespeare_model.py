@@ -1,4 +1,4 @@
-"""The bundled default model: present, small, trained on Shakespeare, and what `python -m server` serves."""
+"""The bundled Shakespeare model: present, small, trained, and served by `--model shakespeare`."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from model import DEFAULT_MODEL_DIR, get_tokenizer, load_checkpoint
+from model import SHAKESPEARE_DIR, get_tokenizer, load_checkpoint
 from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_default_model_is_small_and_trained(shakespeare_path: Path) -> None:
-    weights = DEFAULT_MODEL_DIR / "model.safetensors"
+def test_shakespeare_model_is_small_and_trained(shakespeare_path: Path) -> None:
+    weights = SHAKESPEARE_DIR / "model.safetensors"
     assert weights.stat().st_size < 64 * 2**20
-    model = load_checkpoint(DEFAULT_MODEL_DIR, dtype=torch.float32)
+    model = load_checkpoint(SHAKESPEARE_DIR, dtype=torch.float32)
     tok = get_tokenizer(model.config.tokenizer)
     # the corpus's last tenth is train.py's validation split: text the model never trained on
     text = shakespeare_path.read_text()
@@ -32,10 +32,10 @@ def test_default_model_is_small_and_trained(shakespeare_path: Path) -> None:
     assert loss.item() < 5.5  # an untrained model scores about ln(50257) = 10.8
 
 
-def test_python_m_server_serves_the_default_model(shakespeare_path: Path) -> None:
+def test_python_m_server_serves_the_shakespeare_model(shakespeare_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--port", str(port)],
+        [sys.executable, "-m", "server", "--model", "shakespeare", "--port", str(port)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -45,7 +45,7 @@ def test_python_m_server_serves_the_default_model(shakespeare_path: Path) -> Non
     try:
         wait_for_server(url, proc, timeout=120)
         models = httpx.get(f"{url}/v1/models", timeout=10).json()
-        assert models["data"][0]["id"] == DEFAULT_MODEL_DIR.name
+        assert models["data"][0]["id"] == "shakespeare"
         # it is the trained model that answers: it scores unseen Shakespeare well
         text = shakespeare_path.read_text()
         passage = text[-len(text) // 20 :][:600]  # about 200 tokens: within the 256 context
