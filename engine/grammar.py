@@ -91,12 +91,15 @@ class _TokenizerView:
         self.bos_token_id = None
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
         self.tokens += [b""] * (size - tokenizer.vocab_size)  # padding ids: never allowed
-        self.special_token_ids = [tokenizer.eot_token]
+        # ids that are never text: a grammar never spells its strings with them
+        self.special_token_ids = list(
+            getattr(tokenizer, "special_token_ids", [tokenizer.eot_token])
+        )
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text)
+        return self._tok.encode(text, allow_special=False)
 
 
 def grammar_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:
@@ -110,7 +113,7 @@ def grammar_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> llguid
         raise ValueError(
             f"vocab_size {size} is smaller than the tokenizer's {tokenizer.vocab_size}"
         )
-    key = (tokenizer.name, size)
+    key = (getattr(tokenizer, "fingerprint", tokenizer.name), size)
     with _VOCABS_LOCK:
         vocab = _VOCABS.get(key)
         if vocab is None:
@@ -288,7 +291,9 @@ def compile_constraint(
     """
     text = _spec_text(kind, spec)
     vocab = grammar_vocab(tokenizer, vocab_size)
-    compiled = _compile(kind, text, (tokenizer.name, vocab.vocab_size))  # a failure is not cached
+    compiled = _compile(
+        kind, text, (getattr(tokenizer, "fingerprint", tokenizer.name), vocab.vocab_size)
+    )  # a failure is not cached
     with compiled.lock:
         matcher = compiled.matcher.deep_copy()
     return Constraint(matcher, kind, vocab.vocab_size, tokenizer.eot_token)

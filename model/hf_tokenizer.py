@@ -11,6 +11,7 @@ transformers does by default; `allow_special=False` encodes their text as ordina
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -42,7 +43,10 @@ class HFTokenizer:
     ) -> None:
         self._tok = tokenizer
         self.name = name
-        spec = json.loads(tokenizer.to_str())
+        text = tokenizer.to_str()
+        spec = json.loads(text)
+        # two tokenizers share cached tables (the grammar's) only when they are the same
+        self.fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         added = tokenizer.get_added_tokens_decoder()  # id -> AddedToken
         self.vocab_size: int = max(
             tokenizer.get_vocab_size(with_added_tokens=True), 1 + max(added, default=-1)
