@@ -4,21 +4,34 @@
     python train.py --out runs/shakespeare --resume            # continue a killed run
     python train.py --data ... --out ... --resume auto         # continue it if there is one
     torchrun --nproc_per_node 2 train.py --data ... --out ...  # DistributedDataParallel
+    python train.py --arch llama --data ... --out ...          # a Llama-shaped model
+    python train.py --init-from DIR --data ... --out ...       # fine-tune DIR (ours or HF)
 
 Writes into DIR: config.json + model.safetensors (last), best/ (lowest validation loss),
 train_state.pt (everything --resume needs, full fp32 weights included), metrics.jsonl, loss.png
-and cache/ (the tokenized data). See docs/TRAINING.md.
+and cache/ (the tokenized data); a model with its own tokenizer also gets its tokenizer.json
+(and tokenizer_config.json, generation_config.json, chat_template.jinja). See docs/TRAINING.md.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from model.dtypes import DTYPES
 from training.checkpointing import STATE_FILE, read_saved_flags
-from training.config import ARCH_KEYS, PATH_KEYS, TrainConfig, field_names, flag
+from training.config import (
+    ARCH_KEYS,
+    ARCHS,
+    GPT2_ONLY_KEYS,
+    LLAMA_ONLY_KEYS,
+    PATH_KEYS,
+    TrainConfig,
+    field_names,
+    flag,
+)
 from training.errors import TrainError
 
 
@@ -50,13 +63,42 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", choices=["auto", *DTYPES], help="autocast dtype (auto: bf16 on CUDA, fp32 on CPU)")
     a("--compile", action="store_true", help="torch.compile the training step")
     g = p.add_argument_group("model")
-    for name in ("--n-layer", "--n-head", "--n-embd", "--block-size"):
+    g.add_argument(
+        "--arch",
+        choices=list(ARCHS),
+        help="gpt2 (default) or llama: rotary positions, RMSNorm, SwiGLU, no biases",
+    )
+    for name in ("--n-layer", "--n-head", "--n-embd"):
         g.add_argument(name, type=int)
+    g.add_argument(
+        "--block-size",
+        type=int,
+        help="context length (default 256); with --init-from the training window (default: "
+        "the checkpoint's context length, at most 1024)",
+    )
     g.add_argument("--dropout", type=float)
-    g.add_argument("--pos-encoding", choices=["learned", "sinusoidal"])
-    g.add_argument("--activation", choices=["gelu", "relu"])
-    g.add_argument("--norm-position", choices=["pre", "post"])
-    g.add_argument("--init-from", help="start from a checkpoint dir (ours or Hugging Face GPT-2)")
+    g.add_argument("--pos-encoding", choices=["learned", "sinusoidal"], help="gpt2 only")
+    g.add_argument("--activation", choices=["gelu", "relu"], help="gpt2 only")
+    g.add_argument("--norm-position", choices=["pre", "post"], help="gpt2 only")
+    g.add_argument("--n-kv-head", type=int, help="llama: key/value heads (default: --n-head)")
+    g.add_argument("--rope-theta", type=float, help="llama: rotary base (default 10000)")
+    g.add_argument("--qk-norm", action="store_true", help="llama: RMSNorm of q and k (Qwen3)")
+    g.add_argument("--head-size", type=int, help="width of a head (default n-embd / n-head)")
+    g.add_argument(
+        "--intermediate-size",
+        type=int,
+        help="MLP width (default: 4 x n-embd; llama: 8/3 x n-embd rounded up to 64)",
+    )
+    g.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        help="lm_head shares the token embedding (default: tied)",
+    )
+    g.add_argument(
+        "--init-from",
+        help="start from a checkpoint dir (ours, or Hugging Face GPT-2, Llama, Mistral, Qwen2, "
+        "Qwen3): its architecture and tokenizer",
+    )
     o = p.add_argument_group("optimization")
     for name in ("--batch-size", "--grad-accum", "--warmup-steps"):
         o.add_argument(name, type=int)
@@ -80,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_arch_flags(given: dict[str, Any]) -> None:
+    """Refuse a flag that the chosen --arch has no use for, rather than ignore it."""
+    arch = given.get("arch", "gpt2")
+    wrong = LLAMA_ONLY_KEYS if arch == "gpt2" else GPT2_ONLY_KEYS
+    for key in wrong:
+        if key in given:
+            need = "--arch llama" if arch == "gpt2" else "--arch gpt2"
+            raise TrainError(f"--{flag(key)} needs {need} (this run is --arch {arch})")
+
+
 def parse_config(argv: list[str] | None) -> TrainConfig:
     """Parse argv into the run's TrainConfig. With --resume, the flags not given come from the
     saved run (architecture flags cannot change), then from TrainConfig's defaults."""
@@ -91,20 +143,24 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     settings: dict[str, Any] = {}
     if resume:
         saved = read_saved_flags(Path(given["out"]))
+        defaults = {f.name: f.default for f in fields(TrainConfig)}  # runs saved before a flag
         for key in ARCH_KEYS:
-            if key in given and given[key] != saved[key]:
+            was = saved.get(key, defaults[key])
+            if key in given and given[key] != was:
                 raise TrainError(
-                    f"--out {given['out']} holds a model with {key}={saved[key]}; --resume cannot "
+                    f"--out {given['out']} holds a model with {key}={was}; --resume cannot "
                     f"change it to {given[key]}"
                 )
         settings.update({k: v for k, v in saved.items() if k in field_names()})
         settings["init_from"] = None  # the weights come from the training state
     elif given.get("init_from"):
-        clash = [k for k in ARCH_KEYS if k in given]
+        clash = [k for k in ARCH_KEYS if k in given and k != "block_size"]
         if clash:
             raise TrainError(
                 f"--init-from takes the architecture from the checkpoint; drop --{flag(clash[0])}"
             )
+    else:
+        _check_arch_flags(given)
     settings.update(given)
     settings["resume"] = resume
     if not settings.get("data"):

@@ -16,6 +16,14 @@ from training.errors import TrainError
 
 STATE_FILE = "train_state.pt"
 BEST_DIR = "best"
+# What a checkpoint with its own tokenizer ("hf") needs beside its weights to be served: the
+# files model/hf_tokenizer.py and model/chat_template.py read, those that exist.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def atomic_torch_save(obj: Any, target: Path) -> None:
@@ -39,15 +47,32 @@ def read_saved_flags(out: Path) -> dict[str, Any]:
     return read_train_state(out, mmap=True)["args"]
 
 
-def save_served(model: GPT, path: Path, dtype: torch.dtype) -> None:
-    """The server's checkpoint (config.json + model.safetensors) in `dtype`."""
+def read_tokenizer_files(directory: Path | None) -> dict[str, bytes]:
+    """The TOKENIZER_FILES in `directory` by name (none for None), to write beside each served
+    checkpoint; read once at the start, so a source that changes later does not matter."""
+    if directory is None:
+        return {}
+    found = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    try:
+        return {name: (directory / name).read_bytes() for name in found}
+    except OSError as exc:
+        raise TrainError(f"cannot read the tokenizer files in {directory}: {exc}") from None
+
+
+def save_served(
+    model: GPT, path: Path, dtype: torch.dtype, extra_files: dict[str, bytes] | None = None
+) -> None:
+    """The server's checkpoint (config.json + model.safetensors) in `dtype`, and `extra_files`
+    (the tokenizer's) beside it, each file atomically."""
     if dtype == torch.float32:
         save_checkpoint(model, path)
-        return
-    with torch.random.fork_rng(devices=[]):  # building a copy must not move the training RNG
-        copy = GPT(model.config)
-    copy.load_state_dict(model.state_dict())
-    save_checkpoint(copy.to(dtype), path)
+    else:
+        with torch.random.fork_rng(devices=[]):  # building a copy must not move the training RNG
+            copy = GPT(model.config)
+        copy.load_state_dict(model.state_dict())
+        save_checkpoint(copy.to(dtype), path)
+    for name, data in (extra_files or {}).items():
+        atomic_write(path / name, lambda tmp, d=data: Path(tmp).write_bytes(d))
 
 
 def rng_state() -> dict[str, Any]:

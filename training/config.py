@@ -9,8 +9,10 @@ from typing import Any, Literal
 from model import ConfigError, ModelConfig
 from training.errors import TrainError
 
-# The fields that make two runs the same model; --resume cannot change them.
+# The fields that make two runs the same model; --resume cannot change them, and --init-from
+# takes them from its checkpoint (but block_size, there the training window).
 ARCH_KEYS = (
+    "arch",
     "n_layer",
     "n_head",
     "n_embd",
@@ -18,7 +20,17 @@ ARCH_KEYS = (
     "pos_encoding",
     "activation",
     "norm_position",
+    "n_kv_head",
+    "head_size",
+    "intermediate_size",
+    "rope_theta",
+    "qk_norm",
+    "tie_embeddings",
 )
+ARCHS = ("gpt2", "llama")
+GPT2_ONLY_KEYS = ("pos_encoding", "activation", "norm_position")  # GPT-2's variants
+LLAMA_ONLY_KEYS = ("n_kv_head", "rope_theta", "qk_norm")
+DEFAULT_BLOCK_SIZE = 256
 PATH_KEYS = ("data", "out", "cache_dir", "init_from")
 POSITIVE_KEYS = (
     "max_steps",
@@ -31,6 +43,9 @@ POSITIVE_KEYS = (
     "n_head",
     "n_embd",
     "block_size",
+    "n_kv_head",
+    "head_size",
+    "intermediate_size",
 )
 NON_NEGATIVE_KEYS = ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip", "min_lr")
 
@@ -45,14 +60,25 @@ class TrainConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     compile: bool = False
     # model (ignored with init_from, which brings its own architecture)
+    arch: Literal["gpt2", "llama"] = "gpt2"
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
-    block_size: int = 256
+    # the training window and a new model's context length; None: DEFAULT_BLOCK_SIZE, or with
+    # init_from the checkpoint's context length up to MAX_FINE_TUNE_WINDOW (training/setup.py)
+    block_size: int | None = None
     dropout: float = 0.0
-    pos_encoding: Literal["learned", "sinusoidal"] = "learned"
-    activation: Literal["gelu", "relu"] = "gelu"
+    # GPT-2's variants; a Llama-shaped model is rotary, SwiGLU and pre-norm (saved as such)
+    pos_encoding: Literal["learned", "sinusoidal", "rotary"] = "learned"
+    activation: Literal["gelu", "relu", "swiglu"] = "gelu"
     norm_position: Literal["pre", "post"] = "pre"
+    # Llama's fields (n_kv_head, rope_theta, qk_norm: arch "llama" only)
+    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
+    head_size: int | None = None  # None: n_embd // n_head
+    intermediate_size: int | None = None  # None: 4 x n_embd (gpt2), llama_mlp_width (llama)
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    tie_embeddings: bool = True  # lm_head shares wte (the embedding is most of a small model)
     init_from: Path | None = None
     # optimization
     batch_size: int = 8
@@ -77,10 +103,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for key in POSITIVE_KEYS:
-            if getattr(self, key) <= 0:
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise TrainError(f"--{flag(key)} must be positive, got {value}")
+        for key in ("lr", "rope_theta"):
+            if not getattr(self, key) > 0:
                 raise TrainError(f"--{flag(key)} must be positive, got {getattr(self, key)}")
-        if not self.lr > 0:
-            raise TrainError(f"--lr must be positive, got {self.lr}")
         for key in NON_NEGATIVE_KEYS:
             value = getattr(self, key)
             if value is not None and value < 0:
@@ -105,17 +133,37 @@ class TrainConfig:
         return self.cache_dir if self.cache_dir is not None else self.out / "cache"
 
     def model_config(self, vocab_size: int = 50257) -> ModelConfig:
-        """The model these flags describe (not used with init_from)."""
-        return ModelConfig(
+        """The model these flags describe (not used with init_from): GPT-2 and its variants, or
+        a Llama-shaped model (rotary positions, RMSNorm, SwiGLU, no biases; GPT-2's tokenizer)."""
+        shared = dict(
             vocab_size=vocab_size,
-            block_size=self.block_size,
+            block_size=self.block_size or DEFAULT_BLOCK_SIZE,
             n_layer=self.n_layer,
             n_head=self.n_head,
             n_embd=self.n_embd,
             dropout=self.dropout,
-            pos_encoding=self.pos_encoding,
-            activation=self.activation,
-            norm_position=self.norm_position,
+            head_size=self.head_size,
+            tie_embeddings=self.tie_embeddings,
+        )
+        if self.arch == "gpt2":
+            return ModelConfig(
+                **shared,
+                intermediate_size=self.intermediate_size,
+                pos_encoding=self.pos_encoding,
+                activation=self.activation,
+                norm_position=self.norm_position,
+            )
+        return ModelConfig(
+            **shared,
+            intermediate_size=self.intermediate_size or llama_mlp_width(self.n_embd),
+            bias=False,
+            pos_encoding="rotary",
+            norm="rmsnorm",
+            activation="swiglu",
+            norm_position="pre",
+            n_kv_head=self.n_kv_head,
+            rope_theta=self.rope_theta,
+            qk_norm=self.qk_norm,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,6 +179,33 @@ def field_names() -> set[str]:
 def flag(key: str) -> str:
     """ "max_steps" -> "max-steps"."""
     return key.replace("_", "-")
+
+
+def llama_mlp_width(n_embd: int) -> int:
+    """SwiGLU's width as Llama sizes it: 8/3 x n_embd (three matrices then hold what GPT-2's
+    two of 4 x n_embd hold), rounded up to a multiple of 64; 1024 at width 384."""
+    return -(-8 * n_embd // (3 * 64)) * 64
+
+
+def model_flags(config: ModelConfig) -> dict[str, Any]:
+    """The architecture flags (ARCH_KEYS) that describe `config`, saved with a run for --resume;
+    a checkpoint's fields that no flag sets (biases, rope scaling, ...) stay in its config."""
+    return {
+        "arch": "llama" if config.pos_encoding == "rotary" else "gpt2",
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "block_size": config.block_size,
+        "pos_encoding": config.pos_encoding,
+        "activation": config.activation,
+        "norm_position": config.norm_position,
+        "n_kv_head": config.n_kv_head,
+        "head_size": config.head_size,
+        "intermediate_size": config.intermediate_size,
+        "rope_theta": config.rope_theta,
+        "qk_norm": config.qk_norm,
+        "tie_embeddings": config.tie_embeddings,
+    }
 
 
 def arch(config: ModelConfig) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Training data: text files tokenized once into a cached uint16 token file, the train/validation
-split, and a seeded, restorable sampler of (B, T) windows."""
+"""Training data: text files tokenized once into a cached token file (uint16, or uint32 for a
+vocabulary past 65536 ids), the train/validation split, and a seeded, restorable sampler of
+(B, T) windows."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ import torch
 from tqdm import tqdm
 
 from model import get_tokenizer
+from model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 from training.distributed import Dist, on_every_rank, on_rank0
 from training.errors import TrainError
+
+WIDE_SUFFIX = "-u32"  # a token file of uint32 ids ends its name with this
+# what identifies a checkpoint's own tokenizer ("hf"): its files, hashed into the cache key
+TOKENIZER_KEY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def find_text_files(path: Path) -> list[Path]:
@@ -30,23 +36,42 @@ def find_text_files(path: Path) -> list[Path]:
 
 
 def tokenize_cached(
-    files: list[Path], cache_dir: Path, tokenizer: str = "gpt2", progress: bool = True
+    files: list[Path],
+    cache_dir: Path,
+    tokenizer: str = "gpt2",
+    progress: bool = True,
+    source: Path | None = None,
 ) -> Path:
-    """Encode files once into a uint16 token file (documents separated by <|endoftext|>).
+    """Encode files once into a token file: documents separated by the end-of-text token, each
+    started by BOS where the tokenizer adds one (Llama); uint16 ids, uint32 past 65536.
 
-    The file name carries a hash of the tokenizer name and each file's path, size and mtime,
-    so an unchanged dataset is never encoded twice.
+    `tokenizer` is "gpt2", or "hf" with `source` the directory of its tokenizer.json. The file
+    name carries a hash of the tokenizer (name, and an "hf" one's files) and of each file's path,
+    size and mtime, so an unchanged dataset is never encoded twice.
     """
     h = hashlib.sha256(tokenizer.encode())
+    tok: TextTokenizer | None = None
+    wide = False
+    if tokenizer != "gpt2":  # GPT-2's 50257 ids fit uint16 and it loads only when needed
+        for name in TOKENIZER_KEY_FILES:
+            path = (source or Path()) / name
+            h.update(path.read_bytes() if path.is_file() else b"\0")
+        tok = _load(tokenizer, source)
+        wide = tok.vocab_size > 2**16
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    target = cache_dir / f"tokens-{tokenizer}-{h.hexdigest()[:16]}.bin"
+    suffix = WIDE_SUFFIX if wide else ""
+    target = cache_dir / f"tokens-{tokenizer}-{h.hexdigest()[:16]}{suffix}.bin"
     if target.is_file():
         return target
-    tok = get_tokenizer(tokenizer)
-    if tok.vocab_size > 2**16:
-        raise TrainError(f"tokenizer {tokenizer} has {tok.vocab_size} tokens; uint16 holds 65536")
+    tok = tok or _load(tokenizer, source)
+    dtype = token_dtype(target)
+    if tok.vocab_size > np.iinfo(dtype).max + 1:
+        raise TrainError(
+            f"tokenizer {tokenizer} has {tok.vocab_size} tokens; {dtype} cannot hold them"
+        )
+    starts = [tok.bos_token_id] if tok.add_bos and tok.bos_token_id is not None else []
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     total = sum(f.stat().st_size for f in files)
@@ -58,13 +83,11 @@ def tokenize_cached(
             ) as bar,
         ):
             for i, f in enumerate(files):
-                if i > 0:
-                    out.write(np.array([tok.eot_token], dtype=np.uint16).tobytes())
+                between = [tok.eot_token] if i > 0 else []
+                out.write(np.array(between + starts, dtype=dtype).tobytes())
                 for texts in _text_chunks(f):
                     ids = tok.encode_batch(texts)  # tiktoken encodes a batch on several threads
-                    out.write(
-                        np.concatenate([np.asarray(x, dtype=np.uint16) for x in ids]).tobytes()
-                    )
+                    out.write(np.concatenate([np.asarray(x, dtype=dtype) for x in ids]).tobytes())
                     bar.update(sum(len(t.encode("utf-8")) for t in texts))
             out.flush()
             os.fsync(out.fileno())
@@ -72,6 +95,20 @@ def tokenize_cached(
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def token_dtype(path: Path) -> type[np.unsignedinteger]:
+    """The id type of a token file, which its name says."""
+    return np.uint32 if path.stem.endswith(WIDE_SUFFIX) else np.uint16
+
+
+def _load(tokenizer: str, source: Path | None) -> TextTokenizer:
+    try:
+        return (
+            get_tokenizer(tokenizer) if tokenizer == "gpt2" else load_tokenizer(tokenizer, source)
+        )
+    except TokenizerError as exc:
+        raise TrainError(f"tokenizer: {exc}") from None
 
 
 def _text_chunks(path: Path, piece_chars: int = 1 << 16, batch: int = 16):
@@ -141,13 +178,15 @@ class BatchSampler:
         self.rng.bit_generator.state = state
 
 
-def prepare_data(data: Path, cache_dir: Path, info: Dist) -> np.ndarray:
+def prepare_data(
+    data: Path, cache_dir: Path, info: Dist, tokenizer: str = "gpt2", source: Path | None = None
+) -> np.ndarray:
     """Tokenize on rank 0, then memory-map the token file on every rank.
 
     Ranks on other nodes read the file rank 0 wrote, under their own cache_dir: a node that does
     not see it (no shared filesystem) stops the run with an error that says so.
     """
-    name, size = on_rank0(lambda: _tokenized(data, cache_dir), info)
+    name, size = on_rank0(lambda: _tokenized(data, cache_dir, tokenizer, source), info)
     path = cache_dir / name
 
     def check() -> None:
@@ -160,9 +199,9 @@ def prepare_data(data: Path, cache_dir: Path, info: Dist) -> np.ndarray:
             )
 
     on_every_rank(check)
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    return np.memmap(path, dtype=token_dtype(path), mode="r")
 
 
-def _tokenized(data: Path, cache_dir: Path) -> tuple[str, int]:
-    path = tokenize_cached(find_text_files(data), cache_dir)
+def _tokenized(data: Path, cache_dir: Path, tokenizer: str, source: Path | None) -> tuple[str, int]:
+    path = tokenize_cached(find_text_files(data), cache_dir, tokenizer, source=source)
     return path.name, path.stat().st_size

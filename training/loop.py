@@ -19,12 +19,13 @@ from training.checkpointing import (
     BEST_DIR,
     STATE_FILE,
     atomic_torch_save,
+    read_tokenizer_files,
     read_train_state,
     rng_state,
     save_served,
     set_rng_state,
 )
-from training.config import ARCH_KEYS, TrainConfig
+from training.config import TrainConfig, model_flags
 from training.data import BatchSampler, prepare_data, split_tokens
 from training.distributed import (
     Dist,
@@ -36,7 +37,15 @@ from training.distributed import (
 )
 from training.errors import TrainError
 from training.metrics import LOSS_PLOT, METRICS_FILE, append_metrics, plot_losses, trim_metrics
-from training.setup import autocast_for, build_model, check_out_dir, pick_device
+from training.setup import (
+    autocast_for,
+    build_model,
+    check_out_dir,
+    load_run_tokenizer,
+    pick_device,
+    tokenizer_dir,
+    train_window,
+)
 from training.step import LossModule, evaluate, lr_at, make_optimizer, sample_text, train_step
 
 MAX_BAD_STEPS = 5  # consecutive non-finite losses before training stops
@@ -63,9 +72,13 @@ def train(cfg: TrainConfig, info: Dist) -> None:
     vocab_size = get_tokenizer("gpt2").vocab_size
     if not cfg.resume and cfg.init_from is None:  # before the slow parts
         on_rank0(lambda: check_out_dir(out, cfg.model_config(vocab_size)), info)
-    tokens = prepare_data(cfg.data, cfg.token_cache, info)
     model = on_every_rank(lambda: build_model(cfg, vocab_size, state))
-    block_size = model.config.block_size
+    # The model's tokenizer: GPT-2's, or a checkpoint's own, whose files every checkpoint carries.
+    tok_dir = tokenizer_dir(cfg, model.config)
+    tok = on_every_rank(lambda: load_run_tokenizer(model.config, tok_dir))
+    tokenizer_files = on_every_rank(lambda: read_tokenizer_files(tok_dir) if info.master else {})
+    block_size = on_every_rank(lambda: train_window(cfg, model.config))
+    tokens = prepare_data(cfg.data, cfg.token_cache, info, model.config.tokenizer, tok_dir)
     train_tokens, val_tokens = split_tokens(tokens, block_size, cfg.val_fraction)
     model.to(device)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
@@ -95,8 +108,9 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             trim_metrics(metrics, step)  # keep the lines up to the checkpoint, append after them
         else:
             metrics.unlink(missing_ok=True)
-    # The flags saved with the run: the architecture is the model's (--init-from brings its own).
-    saved_flags = {**cfg.to_dict(), **{k: getattr(model.config, k) for k in ARCH_KEYS}}
+    # The flags saved with the run: the architecture is the model's (--init-from brings its own),
+    # block_size the training window.
+    saved_flags = {**cfg.to_dict(), **model_flags(model.config), "block_size": block_size}
 
     train_module: nn.Module = LossModule(model)  # DDP and torch.compile see forward + loss
     if cfg.compile:
@@ -106,9 +120,13 @@ def train(cfg: TrainConfig, info: Dist) -> None:
         train_module = DDP(train_module, device_ids=ids)
     tokens_per_step = cfg.batch_size * cfg.grad_accum * block_size * info.world
     if info.master:
+        mc = model.config
+        heads = f"{mc.n_head} heads" + (
+            f" ({mc.kv_heads} key/value)" if mc.kv_heads != mc.n_head else ""
+        )
         print(
-            f"model: {model.num_params() / 1e6:.2f}M parameters, {model.config.n_layer} layers, "
-            f"{model.config.n_head} heads, width {model.config.n_embd}, block {block_size}; "
+            f"model: {model_flags(mc)['arch']}, {model.num_params() / 1e6:.2f}M parameters, "
+            f"{mc.n_layer} layers, {heads}, width {mc.n_embd}, block {block_size}; "
             f"data: {len(train_tokens):,} train / {0 if val_tokens is None else len(val_tokens):,} "
             f"val tokens; {tokens_per_step:,} tokens/step on {info.world} x {device.type}",
             flush=True,
@@ -179,9 +197,9 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             best_val = val_loss
         ranks = all_gather({"sampler": sampler.state_dict(), "rng": rng_state()})
         if info.master:
-            save_served(model, out, save_dtype)
+            save_served(model, out, save_dtype, tokenizer_files)
             if improved:
-                save_served(model, out / BEST_DIR, save_dtype)
+                save_served(model, out / BEST_DIR, save_dtype, tokenizer_files)
             train_state = {
                 "version": 1,
                 "step": step,
@@ -195,7 +213,7 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             }
             atomic_torch_save(train_state, out / STATE_FILE)
             plot_losses(metrics, out / LOSS_PLOT)
-            text = sample_text(model, cfg.sample_tokens, device, cfg.seed)
+            text = sample_text(model, tok, cfg.sample_tokens, device, cfg.seed)
             msg = f"step {step}: train {loss:.4f}"
             msg += f", val {val_loss:.4f}" if val_loss is not None else ""
             bar.write(msg + (f" | sample: {text!r}" if text else ""))

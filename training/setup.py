@@ -1,4 +1,5 @@
-"""The device, the autocast precision and the model a run starts from; the --out directory check."""
+"""The device, the autocast precision, the model a run starts from and its tokenizer, the training
+window; the --out directory check."""
 
 from __future__ import annotations
 
@@ -12,10 +13,15 @@ import torch
 
 from model import GPT, CheckpointError, ConfigError, ModelConfig, load_checkpoint
 from model.dtypes import DTYPES
+from model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
 from training.checkpointing import STATE_FILE
 from training.config import TrainConfig, arch
 from training.distributed import Dist
 from training.errors import TrainError
+
+MAX_FINE_TUNE_WINDOW = 1024  # --init-from without --block-size: a long context's windows cap here
+# "gpt2" is built in; "hf" is the tokenizer.json beside the weights, which the run copies to --out
+CARRIED_TOKENIZERS = ("gpt2", "hf")
 
 
 def pick_device(name: str, info: Dist) -> torch.device:
@@ -56,9 +62,51 @@ def build_model(cfg: TrainConfig, vocab_size: int, state: dict[str, Any] | None)
         loaded = load_checkpoint(cfg.init_from)
     except CheckpointError as exc:
         raise TrainError(f"--init-from: {exc}") from None
-    model = GPT(replace(loaded.config, dropout=cfg.dropout))
+    if loaded.config.tokenizer not in CARRIED_TOKENIZERS:
+        raise TrainError(
+            f"--init-from: a checkpoint with tokenizer {loaded.config.tokenizer!r} cannot be "
+            f"fine-tuned (supported: {', '.join(CARRIED_TOKENIZERS)})"
+        )
+    model = GPT(replace(loaded.config, dropout=cfg.dropout))  # float32 weights, whatever stored
     model.load_state_dict(loaded.state_dict())
     return model
+
+
+def train_window(cfg: TrainConfig, config: ModelConfig) -> int:
+    """Tokens per training sequence: --block-size (a fine-tune's may be shorter than the
+    checkpoint's context length), else the model's context, capped when fine-tuning."""
+    if cfg.block_size is None:
+        limit = MAX_FINE_TUNE_WINDOW if cfg.init_from is not None else config.block_size
+        return min(config.block_size, limit)
+    if cfg.block_size > config.block_size:
+        raise TrainError(
+            f"--block-size {cfg.block_size} exceeds the checkpoint's context length "
+            f"{config.block_size}"
+        )
+    return cfg.block_size
+
+
+def tokenizer_dir(cfg: TrainConfig, config: ModelConfig) -> Path | None:
+    """Where the run's tokenizer files are: None for GPT-2's (built in); for a checkpoint's own
+    ("hf"), --out on --resume (every checkpoint carries a copy), else the --init-from directory."""
+    if config.tokenizer == "gpt2":
+        return None
+    return cfg.out if cfg.resume else cfg.init_from
+
+
+def load_run_tokenizer(config: ModelConfig, directory: Path | None) -> TextTokenizer:
+    """The tokenizer the model was trained with, checked against its embedding."""
+    try:
+        tok = load_tokenizer(config.tokenizer, directory)
+    except TokenizerError as exc:
+        raise TrainError(f"tokenizer: {exc}") from None
+    if tok.vocab_size > config.vocab_size:
+        where = f"in {directory}" if directory is not None else repr(config.tokenizer)
+        raise TrainError(
+            f"the tokenizer {where} has {tok.vocab_size} tokens but the model embeds only "
+            f"{config.vocab_size}"
+        )
+    return tok
 
 
 def check_out_dir(out: Path, config: ModelConfig) -> None:

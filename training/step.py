@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT, get_tokenizer
+from model import GPT
+from model.tokenizer import TextTokenizer
 from training.config import TrainConfig
 from training.data import BatchSampler
 
@@ -120,15 +121,18 @@ def evaluate(
 
 
 @torch.no_grad()
-def sample_text(model: GPT, n_tokens: int, device: torch.device, seed: int) -> str:
-    """A short top-k sample from <|endoftext|>, from a private generator (no global RNG use)."""
-    tok = get_tokenizer(model.config.tokenizer)
+def sample_text(
+    model: GPT, tok: TextTokenizer, n_tokens: int, device: torch.device, seed: int
+) -> str:
+    """A short top-k sample from the token a document starts with (BOS where the tokenizer adds
+    one, else end-of-text), from a private generator (no global RNG use)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([[tok.eot_token]], device=device)
+    start = tok.bos_token_id if tok.add_bos and tok.bos_token_id is not None else tok.eot_token
+    idx = torch.tensor([[start]], device=device)
     model.eval()
     for _ in range(n_tokens):
         logits = model(idx[:, -model.config.block_size :])[:, -1, :].float() / 0.8  # (1, V)
-        top, where = torch.topk(logits, 40)
+        top, where = torch.topk(logits, min(40, logits.size(-1)))
         choice = torch.multinomial(torch.softmax(top, dim=-1), 1, generator=gen)
         idx = torch.cat([idx, where.gather(-1, choice)], dim=1)
     model.train()
