@@ -47,6 +47,7 @@ import kernels.cpu.cascade as cpu_cascade  # noqa: E402
 import kernels.cpu.decode as cpu_decode  # noqa: E402
 import kernels.cpu.products as cpu_products  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
+from bench.host import print_host  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from kernels.backends import CpuPagedBackend  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
@@ -435,6 +436,7 @@ def main() -> None:
     parts = parser.parse_args().parts.split(",")
     if any(part not in PARTS for part in parts):
         parser.error(f"--parts takes {', '.join(PARTS)}")
+    print_host()
     retain_freed_memory()  # as the CLIs do (the allocator row compares both in subprocesses)
     rows = [row for part in parts for row in PARTS[part]()]
     print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}; best of 7 rounds, "

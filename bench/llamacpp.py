@@ -1,18 +1,19 @@
 """CPU speed against llama.cpp in the same run: the same weights, threads, prompts and tokens.
 
-    python bench/llamacpp.py                       # f32, f16 and q8_0 rows, 3 rounds
+    python bench/llamacpp.py                       # f32, f16, bf16 and q8_0 rows, 3 rounds
     python bench/llamacpp.py --rounds 5 --stat median
-    python bench/llamacpp.py --formats f32,bf16 --threads 1
+    python bench/llamacpp.py --formats f32,q8_0 --threads 1
 
 llama.cpp runs through `llama-cpp-python` (`pip install -e '.[bench]'`, which builds llama.cpp
 from source); without it the table holds gptserve's figures only.
 
 Random GPT-2 124M weights, built as `bench/decode.py` builds them, are written as GGUF files
 (architecture "gpt2", GPT-2's tokenizer in the metadata) with the `gguf` package in each format:
-f32 against gptserve in float32, f16 (and bf16) against gptserve in bfloat16, q8_0 against
-gptserve's `--quantize int8` (float32 activations). Both sides get the same thread count
-(torch.set_num_threads, llama.cpp's n_threads and n_threads_batch), the same token ids, and
-produce the same number of tokens greedily:
+f32 against gptserve in float32; f16 and bf16 against gptserve in bfloat16 (bf16: the very
+same weights; f16 is llama.cpp's usual half-precision format); q8_0 (int8 in blocks of 32, one
+scale each) against gptserve's `--quantize int8` (int8 rows, one scale each, float32
+activations). Both sides get the same thread count (torch.set_num_threads, llama.cpp's
+n_threads and n_threads_batch), the same token ids, and produce as many tokens greedily:
 
 - decode x1: one 64-token prompt, 128 new tokens; tokens/s = new tokens / the whole request
   (its prefill included), as bench/decode.py counts it;
@@ -384,7 +385,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--formats", default="f32,f16,q8_0", help=f"of {', '.join(PAIRS)}")
+    p.add_argument("--formats", default=",".join(PAIRS), help=f"of {', '.join(PAIRS)}")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stat", choices=("best", "median"), default="best", help="per side")
     p.add_argument("--threads", type=int, default=None, help="both sides (default: torch's)")
