@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SampleRow, SamplingError, SamplingParams, apply_penalties, sample
+from engine.sampler import (
+    SampleRow,
+    SamplingError,
+    SamplingParams,
+    apply_penalties,
+    draw_distribution,
+    sample,
+)
 
 
 def _row(**kw) -> SampleRow:
@@ -119,6 +126,19 @@ def test_mixed_batch_rows_are_independent():
         rows = [_row(temperature=0), _row(gen=gen_mixed, top_k=3), _row(temperature=2.0, top_p=0.5)]
         mixed.append(sample(torch.stack([LOGITS] * 3), rows).tokens[1])
     assert alone == mixed
+
+
+def test_a_row_without_truncation_keeps_its_whole_distribution_beside_a_top_p_row():
+    # GPT-2's vocabulary: in float32 the sorted cumulative sum reaches 1 before the tail, which
+    # once cut ~3000 tokens of the untruncated row whenever another row of the batch used top-p
+    logits = 3 * torch.randn(3, 50257, generator=torch.Generator().manual_seed(0))
+    rows = [_row(), _row(top_p=0.5), _row(top_k=40, temperature=0.7)]
+    together = draw_distribution(logits.clone(), rows)  # (3, V)
+    for i, row in enumerate(rows):
+        alone = draw_distribution(logits[i : i + 1].clone(), [row])[0]
+        assert torch.equal(together[i], alone), i
+    assert bool((together[0] > 0).all())  # every token of the free row can still be drawn
+    assert 1 < int((together[1] > 0).sum()) < 50257 and int((together[2] > 0).sum()) == 40
 
 
 @pytest.mark.parametrize(
