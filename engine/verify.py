@@ -7,12 +7,12 @@ own. Decoding is bound by reading the weights, so a forward over k + 1 tokens co
 than over one, and each accepted guess saves a whole step.
 
 `verify` keeps the model's distribution exactly (rejection sampling, as in Leviathan et al. 2023
-and Chen et al. 2023): guess x with proposal probability q(x) is accepted with probability
-min(1, p(x) / q(x)); on a rejection the token is drawn from max(0, p - q), renormalised; when
-every guess is accepted a bonus token is drawn from the last distribution. A greedy row accepts a
-guess when it is the argmax, so its output is the one plain greedy decoding gives. Prompt lookup
-(`propose_ngram`) proposes with certainty (q(x) = 1): a guess is then accepted with probability
-p(x).
+and Chen et al. 2023). Every proposer here is deterministic (prompt lookup, a draft model decoding
+greedily), so a guess x is certain, q(x) = 1: it is accepted with probability p(x); on a
+rejection the token is drawn from p without x, renormalised (max(0, p - q)); when every guess is
+accepted a bonus token is drawn from the last distribution. The token kept at each position is
+then distributed as p there. A greedy row accepts a guess when it is the argmax, so its output is
+the one plain greedy decoding gives.
 
 p is the distribution the sampler draws from: after penalties and logit bias (per position, with
 the guesses before it counted as output), temperature and top-k/top-p/min-p.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import SampleRow, apply_penalties, sample, truncate
+from engine.sampler import SampleRow, apply_penalties, draw_distribution, sample
 
 
 def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -63,17 +63,9 @@ class Verified:
         return len(self.tokens) - 1
 
 
-def verify(
-    logits: torch.Tensor,
-    row: SampleRow,
-    guesses: list[int],
-    guess_probs: torch.Tensor | None = None,
-) -> Verified:
-    """Check guesses against logits (k + 1, V): row j is the distribution after guess j - 1.
-
-    guess_probs (k, V) is the proposer's distribution at each guess; None means the guesses were
-    certain (prompt lookup, greedy drafts).
-    """
+def verify(logits: torch.Tensor, row: SampleRow, guesses: list[int]) -> Verified:
+    """Check certain guesses against logits (k + 1, V): row j is the distribution after guess
+    j - 1."""
     k = len(guesses)
     rows = [_row_after(row, guesses[:j]) for j in range(k + 1)]
     if row.params.greedy:
@@ -83,24 +75,19 @@ def verify(
         return Verified(out.tokens[:end], out.logprobs[:end], out.top_ids[:end],
                         out.top_logprobs[:end])  # fmt: skip
     penalised = apply_penalties(logits.float(), rows)  # (k + 1, V)
-    temps = torch.full((k + 1, 1), row.params.temperature, device=logits.device)
-    probs = torch.softmax(truncate(penalised / temps, rows), dim=-1)  # (k + 1, V)
+    probs = draw_distribution(penalised, rows)  # (k + 1, V), as the sampler would draw
     gen = row.generator
     uniforms = torch.rand(k, generator=gen).tolist()  # one acceptance draw per guess
     accepted: list[int] = []
     final = None
     for j, guess in enumerate(guesses):
-        q = 1.0 if guess_probs is None else float(guess_probs[j, guess])
-        p = float(probs[j, guess])
-        if uniforms[j] < min(1.0, p / max(q, 1e-30)):
+        if uniforms[j] < float(probs[j, guess]):
             accepted.append(guess)
             continue
-        if guess_probs is None:
-            residual = probs[j].clone()
-            residual[guess] = 0.0
-        else:
-            residual = (probs[j] - guess_probs[j].to(probs.dtype)).clamp_min(0.0)
-        final = _draw(residual, gen)
+        residual = probs[j].clone()  # (V,)
+        residual[guess] = 0.0
+        # p held nothing but the guess (a rejection then comes of p rounding just below 1)
+        final = _draw(residual, gen) if float(residual.sum()) > 0 else guess
         break
     if final is None:  # every guess accepted: a bonus token from the last distribution
         final = _draw(probs[k], gen)
@@ -124,7 +111,4 @@ def _row_after(row: SampleRow, guesses: list[int]) -> SampleRow:
 
 def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     """One token drawn in proportion to weights (V,)."""
-    weights = weights.float().cpu()
-    if float(weights.sum()) <= 0:  # p == q everywhere it matters: fall back to the argmax
-        return int(weights.argmax())
-    return int(torch.multinomial(weights, 1, generator=gen))
+    return int(torch.multinomial(weights.float().cpu(), 1, generator=gen))

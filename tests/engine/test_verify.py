@@ -1,5 +1,7 @@
 """Prompt lookup and the verification of guesses: greedy keeps greedy, sampling keeps p."""
 
+import math
+
 import pytest
 import torch
 
@@ -73,3 +75,92 @@ def test_prompt_lookup_agrees_with_a_plain_search_whatever_the_token_bytes():
         n = int(torch.randint(2, 40, (1,), generator=gen))
         tokens = alphabet[torch.randint(0, 6, (n,), generator=gen)].tolist()
         assert propose_ngram(tokens, 4) == _naive_lookup(tokens, 4), tokens
+
+
+# Logits (4, 6) for three guesses and the bonus position, each position's distribution its own
+LOGITS = torch.tensor(
+    [
+        [2.0, 1.2, 0.9, 0.3, -0.4, -1.0],
+        [0.6, 2.2, 1.0, 0.1, 0.0, -0.7],
+        [1.5, 1.4, 0.2, 0.8, -0.3, 0.5],
+        [0.3, 0.9, 1.8, 1.1, -0.2, 0.6],
+    ]
+)
+GUESSES = [0, 1, 1]  # a repeated guess: the penalties at position 2 count both earlier ones
+PROMPT = [3, 5]
+
+
+def _expected(position: int, params: SamplingParams) -> list[float]:
+    """The distribution the plain sampler draws from at `position`, computed by hand: bias,
+    frequency/presence then repetition penalties (the guesses before it count as output),
+    temperature, min-p, top-k, top-p."""
+    output = GUESSES[:position]
+    z = LOGITS[position].tolist()
+    for t, bias in params.logit_bias.items():
+        z[t] += bias
+    for t in set(output):
+        z[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    for t in set(PROMPT + output):
+        z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
+    weights = [math.exp(v / params.temperature) for v in z]
+    probs = [w / sum(weights) for w in weights]
+    kept = [t for t, p in enumerate(probs) if p >= params.min_p * max(probs)]
+    kept.sort(key=lambda t: -probs[t])
+    if params.top_k > 0:
+        kept = kept[: params.top_k]
+    mass, nucleus = sum(probs[t] for t in kept), []
+    for t in kept:
+        if params.top_p < 1 and sum(probs[u] for u in nucleus) / mass >= params.top_p:
+            break
+        nucleus.append(t)
+    total = sum(probs[t] for t in nucleus)
+    return [probs[t] / total if t in nucleus else 0.0 for t in range(len(probs))]
+
+
+def _chi_square_bound(df: int, z: float = 4.75) -> float:
+    """The chi-square value a correct sampler exceeds with probability about 1e-6 (z = 4.75
+    standard deviations; the Wilson-Hilferty approximation)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.fixture
+def one_thread():
+    """Tensors of a few elements: a thread pool's wake-up costs more than the work (10x here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.5},
+        {"temperature": 1.6, "top_k": 3},
+        {"temperature": 0.8, "top_p": 0.6},
+        {"temperature": 1.3, "min_p": 0.3},
+        {"temperature": 0.7, "presence_penalty": 0.8, "frequency_penalty": 0.5},
+        {"temperature": 1.1, "repetition_penalty": 1.8, "logit_bias": {4: 1.0}},
+    ],
+    ids=["temperature", "top-k", "top-p", "min-p", "presence-frequency", "repetition-bias"],
+)
+def test_each_kept_token_follows_the_processed_distribution_at_its_position(params, one_thread):
+    params = SamplingParams(**params)
+    row = SampleRow(params, PROMPT, [], torch.Generator().manual_seed(3), eos_token=None)
+    counts = torch.zeros(len(LOGITS), LOGITS.shape[1])  # (positions, V)
+    trials = 0
+    while counts[-1].sum() < 400:  # the bonus position, reached only when every guess is kept
+        tokens = verify(LOGITS, row, GUESSES).tokens  # the accepted guesses, then one more
+        counts[torch.arange(len(tokens)), torch.tensor(tokens)] += 1
+        trials += 1
+        assert trials < 20_000, "the guesses are rarely all kept: choose likelier ones"
+    for position in range(len(LOGITS)):
+        # given the guesses before it were kept, the token at a position is drawn from p there
+        p = torch.tensor(_expected(position, params))
+        seen = counts[position]
+        n = float(seen.sum())
+        assert seen[p == 0].sum() == 0, f"position {position}: truncated tokens drawn {seen}"
+        support = p > 0
+        chi2 = float(((seen[support] - n * p[support]) ** 2 / (n * p[support])).sum())
+        bound = _chi_square_bound(int(support.sum()) - 1) if support.sum() > 1 else 0.0
+        assert chi2 <= bound, (position, (seen / n).tolist(), p.tolist(), chi2, bound)
