@@ -32,7 +32,7 @@ def test_each_dtype_and_quantization_loads_ready_to_serve(
     loaded = load_for_inference(
         tiny_checkpoint, device="cpu", dtype=dtype, quantization=quantization
     )
-    want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    want = getattr(torch, dtype)  # torch's own name for it
     assert loaded.dtype == want and loaded.device == torch.device("cpu")
     assert loaded.name == "tiny-gpt" and loaded.quantization == quantization
     assert loaded.model.transformer.ln_f.weight.dtype == want  # norms stay in the model's dtype
