@@ -47,8 +47,10 @@ def preflight(settings: Settings) -> None:
     path, name = settings.model_path, settings.model_name
     if name == "shakespeare" and not path.is_dir():
         raise ModelLoadError(f"the bundled shakespeare model is missing at {path}")
-    if name is None and not (path.is_dir() or (path.suffix == ".gguf" and path.is_file())):
-        raise ModelLoadError(f"checkpoint {path} does not exist (a directory or a .gguf file)")
+    if name is None and path.suffix == ".gguf" and not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    if name is None and path.suffix != ".gguf" and not path.is_dir():
+        raise ModelLoadError(f"checkpoint directory {path} does not exist")
     check_load(settings.device, settings.dtype, settings.quantize)
 
 

@@ -35,7 +35,7 @@ def test_config_json_round_trip(tmp_path):
     "kw,msg",
     [
         ({"n_embd": 10, "n_head": 3}, "divisible"),
-        ({"pos_encoding": "rotary"}, "pos_encoding"),
+        ({"pos_encoding": "alibi"}, "pos_encoding"),
         ({"n_layer": 0}, "n_layer"),
         ({"dropout": 1.5}, "dropout"),
     ],
