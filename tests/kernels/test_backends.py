@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import DEVICE
 
 from engine.engine import Engine, EngineConfig
 from engine.kv_cache import KVCache
@@ -71,8 +72,8 @@ def _run_steps(model: GPT, cache: KVCache) -> tuple[list[torch.Tensor], list[lis
             seqs[seq_id] = seqs[seq_id][: cache.seq_len(seq_id)] + tokens
             new += tokens
         meta = cache.prepare(batch)
-        index = torch.arange(meta.num_tokens) if every else None
-        out.append(model.forward_cached(torch.tensor(new), cache, meta, index))
+        index = torch.arange(meta.num_tokens, device=cache.device) if every else None
+        out.append(model.forward_cached(torch.tensor(new, device=cache.device), cache, meta, index))
 
     with torch.no_grad():
         seqs[0] = []
@@ -98,13 +99,15 @@ BACKENDS = {
 def test_every_backend_gives_the_full_forward_logits(name):
     if name == "triton" and not triton_available():
         pytest.skip("triton is not installed")
-    model = _model(n_layer=2)
+    # Triton and SDPA on the kernel tests' device: CUDA where they run compiled, else the CPU
+    model = _model(n_layer=2).to(DEVICE if name in ("triton", "sdpa") else "cpu")
     cache = KVCache.for_model(model, num_blocks=24, block_size=8, backend=BACKENDS[name]())
     cache.k.fill_(float("nan"))  # unused slots hold garbage
     cache.v.fill_(float("nan"))
     out, (decoding, first, second) = _run_steps(model, cache)
     with torch.no_grad():
-        full = {i: model(torch.tensor([s]))[0] for i, s in enumerate((decoding, first, second))}
+        seqs = (decoding, first, second)
+        full = {i: model(torch.tensor([s], device=cache.device))[0] for i, s in enumerate(seqs)}
     # step 2's rows: the decode's token, then the new tokens of the two over the shared prefix
     torch.testing.assert_close(out[1][0], full[0][5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[1][1:7], full[1][16:22], atol=1e-4, rtol=1e-4)
