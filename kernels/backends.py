@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -61,8 +61,6 @@ class KVSpec:
 
 class AttentionBackend(ABC, Generic[PlanT]):
     """One way to run paged attention: a pool layout, a plan type and the attention itself."""
-
-    name: ClassVar[str]
 
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value pools, `spec.shape` each; token-major unless a backend says
@@ -113,7 +111,7 @@ def _head_major(spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class TritonPlan(AttentionPlan):
     """The kernel reads the metadata's tables and lengths itself; the split-K choice is the
     step's."""
@@ -123,8 +121,6 @@ class TritonPlan(AttentionPlan):
 
 class TritonBackend(AttentionBackend[TritonPlan]):
     """The Triton paged kernel over head-major pools (its strides take any layout)."""
-
-    name = "triton"
 
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return _head_major(spec)
@@ -146,7 +142,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class CpuPagedPlan(AttentionPlan):
     """A step cut after its leading decodes: they read the pools in place, the rest (prefills
     and chunks) take the cascade when several continue one cached prefix, else gather + SDPA."""
@@ -162,7 +158,6 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     """Head-major pools on a CPU. `cascade=False` leaves every prefill to gather + SDPA (what
     the cascade is measured against)."""
 
-    name = "cpu_paged"
     cascade: bool = True
 
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,15 +204,13 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         return paged_attention_sdpa(q, k_pool, v_pool, plan.rest, sm_scale, plan.rest_plan)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class SdpaGatherPlan(AttentionPlan):
     gather: GatherPlan
 
 
 class SdpaGatherBackend(AttentionBackend[SdpaGatherPlan]):
     """Token-major pools; each sequence's blocks are copied out for SDPA, on any device."""
-
-    name = "sdpa_gather"
 
     def plan(self, meta: AttentionMetadata, spec: KVSpec) -> SdpaGatherPlan:
         kv_bytes = spec.dtype.itemsize

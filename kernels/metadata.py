@@ -144,7 +144,7 @@ class AttentionMetadata:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class KVWrite:
     """Where a step's new keys and values go in a layer's pools: (N,) int64 block and offset of
     each new token, for `index_put_` on pools indexed (num_blocks, block_size, H, D)."""
@@ -158,7 +158,7 @@ class KVWrite:
         return cls(slots // block_size, slots % block_size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class AttentionPlan:
     """What a backend derives from one step's metadata, built once and read by every layer.
 
