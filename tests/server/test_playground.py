@@ -1,117 +1,51 @@
-"""The playground page (GET /) driven in headless Chromium against a real `python -m server`.
-
-Needs Debian's `chromium` at /usr/bin/chromium and the Python `playwright` package (its own
-browser download is not used). Set PLAYGROUND_SCREENSHOT=docs/playground.png (and optionally
-PLAYGROUND_MODEL=a trained checkpoint dir) to rewrite the README's screenshot.
+"""The playground page (GET /) driven in headless Chromium against a real `python -m server`:
+the page itself and its completion tab (the chat tab: test_playground_chat.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import jsonschema
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
-from tests.server.conftest import free_port
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-KEY = "playground-key"
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT = 60.0
-TIMEOUT_MS = 20_000
-
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason="browser test needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)",
+from tests.server.playground_browser import (
+    KEY,
+    TIMEOUT_MS,
+    chromium,
+    metric,
+    needs_chromium,
+    open_page,
+    post_json,
+    serve_with_key,
 )
 
-
-@contextmanager
-def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[str]:
-    """`python -m server` on a free port; yields its base URL and always stops it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port), *extra]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
 def server_url(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("playground") / "server.log"
-    with run_server(tiny_checkpoint, log, "--api-key", KEY) as url:
+    with serve_with_key(tiny_checkpoint, tmp_path_factory) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
-@contextmanager
-def open_page(browser: Browser, url: str, **context_args: object) -> Iterator[Page]:
-    """A fresh browser context (no shared storage) on the playground; fails on JavaScript errors."""
-    context = browser.new_context(viewport={"width": 1200, "height": 800}, **context_args)
-    errors: list[str] = []
-    try:
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(f"{url}/")
-        yield page
-    finally:
-        context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    with chromium() as browser:
+        yield browser
 
 
 @pytest.fixture()
 def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    with open_page(browser, server_url) as page:
+    """The completion tab."""
+    with open_page(browser, server_url, tab="completion") as page:
         yield page
 
 
@@ -123,28 +57,6 @@ def fill_form(page: Page, key: str = KEY, **fields: str) -> None:
 
 def token_spans(page: Page) -> list[str]:
     return page.locator("#output-tokens .tok").all_inner_texts()
-
-
-def post_json(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus sample over the series whose labels include `labels`."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def test_page_is_served_offline(server_url: str) -> None:
@@ -218,7 +130,7 @@ def test_hover_click_and_focus_show_alternatives(page: Page) -> None:
 
 
 def test_tap_opens_alternatives(browser: Browser, server_url: str) -> None:
-    with open_page(browser, server_url, has_touch=True, is_mobile=True) as page:
+    with open_page(browser, server_url, "completion", has_touch=True, is_mobile=True) as page:
         fill_form(page, temperature="0", max_tokens="4")
         page.tap("#run")
         expect(page.locator("#status")).to_contain_text("done")
@@ -350,41 +262,3 @@ def test_bad_json_schema_is_shown_next_to_the_box(page: Page, schema: str, messa
     expect(page.locator("#json_schema")).to_have_attribute("aria-invalid", "true")
     expect(page.locator("#err-general")).to_be_hidden()
     assert token_spans(page) == []
-
-
-@pytest.mark.skipif(
-    not os.environ.get("PLAYGROUND_SCREENSHOT"), reason="set PLAYGROUND_SCREENSHOT=path to write it"
-)
-def test_screenshot(browser: Browser, tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """Mid-generation, a token's alternatives open: the picture in the README."""
-    out = Path(os.environ["PLAYGROUND_SCREENSHOT"])
-    model = Path(os.environ.get("PLAYGROUND_MODEL") or tiny_checkpoint)
-    with run_server(model, tmp_path / "server.log") as url:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
-            room = json.loads(resp.read())["data"][0]["max_model_len"] - 16
-        with open_page(browser, url) as page:
-            fill_form(
-                page,
-                key="",
-                prompt="KING RICHARD:\nNow is the winter of our discontent",
-                max_tokens=str(room),
-                top_k="40",
-            )
-            page.fill("#temperature", "1")
-            # a slow link keeps a small model's stream going long enough to catch it mid-way
-            cdp = page.context.new_cdp_session(page)
-            cdp.send("Network.enable")
-            conditions = {"offline": False, "latency": 0, "uploadThroughput": -1}
-            cdp.send("Network.emulateNetworkConditions", {**conditions, "downloadThroughput": 5000})
-            page.click("#run")
-            expect(page.locator("#output-tokens .tok").nth(min(30, room // 2))).to_be_attached()
-            word = page.evaluate(  # open a word's alternatives, not a newline's
-                "[...document.querySelectorAll('#output-tokens .tok')]"
-                ".findIndex((e, i) => i >= 6 && /[a-z]{2}/i.test(e.textContent))"
-            )
-            page.locator("#output-tokens .tok").nth(max(word, 0)).hover()
-            expect(page.locator("#popup")).to_be_visible()
-            expect(page.locator("#stop")).to_be_enabled()  # still generating
-            page.screenshot(path=str(out))
-            page.click("#stop")
-    assert out.stat().st_size > 10_000

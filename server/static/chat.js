@@ -1,0 +1,180 @@
+// The chat tab: the conversation goes to POST /v1/chat/completions as `messages` (the server
+// applies the model's chat template) and the answer streams into an assistant bubble, one
+// shaded token at a time, each with its alternatives (`logprobs: true, top_logprobs`).
+import { modelFor, setApiKey, streamPost } from "./api.js";
+import { FieldErrors } from "./fields.js";
+import { TokenRun, hideAlternatives, watchTokens } from "./tokens.js";
+
+const TOP_N = 5; // alternatives requested per token (the server allows up to 20)
+const NUMBERS = { temperature: "chat_temperature", max_tokens: "chat_max_tokens" };
+const ROLE_NAMES = { user: "You", assistant: "Assistant", system: "System", tool: "Tool" };
+
+const $ = (id) => document.getElementById(id);
+
+/**
+ * One message as a bubble: who speaks, then what was said. Every message on the page is drawn
+ * here; a streaming answer's body is then filled by its TokenRun.
+ */
+export function renderMessage(message) {
+  const bubble = document.createElement("article");
+  bubble.className = `msg msg-${message.role}`;
+  const who = document.createElement("h3");
+  who.className = "msg-role";
+  who.textContent = ROLE_NAMES[message.role] || message.role;
+  const body = document.createElement("div");
+  body.className = "msg-body";
+  if (message.content) body.textContent = message.content;
+  const note = document.createElement("p");
+  note.className = "msg-note";
+  note.hidden = true;
+  bubble.append(who, body, note);
+  return bubble;
+}
+
+export function initChat() {
+  const form = $("chat-form");
+  const input = $("message");
+  const list = $("messages");
+  const sendButton = $("send");
+  const stopButton = $("chat-stop");
+  const statusEl = $("chat-status");
+  const setStatus = (message) => {
+    statusEl.textContent = message;
+  };
+  const errors = new FieldErrors({
+    fields: ["message", "system", ...Object.values(NUMBERS), "api_key"],
+    general: "err-chat",
+    params: { messages: "message", max_completion_tokens: "chat_max_tokens", ...NUMBERS },
+    setStatus,
+  });
+  let history = []; // the finished turns, as the server saw them: [{role, content}]
+  let controller = null; // AbortController of the running answer
+  let conversation = 0; // bumped by "new chat": a late answer of an old one is dropped
+
+  function buildBody(text) {
+    const body = { messages: [], stream: true, logprobs: true, top_logprobs: TOP_N };
+    if (!errors.readNumbers(body, NUMBERS)) return null;
+    const system = $("system").value.trim();
+    if (system) body.messages.push({ role: "system", content: system });
+    body.messages.push(...history, { role: "user", content: text });
+    return body;
+  }
+
+  function setRunning(running) {
+    sendButton.disabled = running;
+    stopButton.disabled = !running;
+    form.setAttribute("aria-busy", running ? "true" : "false");
+  }
+
+  /** Keep the newest text in view while the reader is at the bottom already and is not
+   * looking at a token's alternatives (scrolling closes them). */
+  function follow(update) {
+    const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
+    update();
+    if (atBottom && $("popup").hidden) list.scrollTop = list.scrollHeight;
+  }
+
+  async function send(event) {
+    event.preventDefault();
+    if (controller) return;
+    errors.clear();
+    const text = input.value.trim();
+    if (!text) {
+      errors.set("message", "Type a message first.");
+      return;
+    }
+    const body = buildBody(text);
+    if (!body) return;
+    setApiKey($("api_key").value.trim());
+    const question = { role: "user", content: text };
+    const asked = renderMessage(question);
+    const answer = renderMessage({ role: "assistant", content: "" });
+    answer.setAttribute("aria-busy", "true"); // read out once complete, not token by token
+    follow(() => list.append(asked, answer));
+    input.value = "";
+    const run = new TokenRun(answer.querySelector(".msg-body"));
+    const bytes = new TextDecoder(); // token bytes -> text, so each token knows its offset
+    let offset = 0;
+    const mine = conversation;
+    controller = new AbortController();
+    const { signal } = controller;
+    const started = performance.now();
+    setRunning(true);
+    setStatus("starting…");
+    let finish = null;
+    let outcome = null;
+    try {
+      body.model = await modelFor(signal);
+      await streamPost("/v1/chat/completions", body, signal, (chunk) => {
+        const choice = chunk.choices && chunk.choices[0];
+        if (!choice) return;
+        const entries = [];
+        for (const item of (choice.logprobs && choice.logprobs.content) || []) {
+          const piece = item.bytes ? bytes.decode(new Uint8Array(item.bytes), { stream: true }) : item.token;
+          const top = (item.top_logprobs || []).map((alt) => [alt.token, Math.exp(alt.logprob)]);
+          entries.push({ offset, token: item.token, p: Math.exp(item.logprob), top });
+          offset += piece.length;
+        }
+        follow(() => run.append((choice.delta && choice.delta.content) || "", entries));
+        if (choice.finish_reason) finish = choice.finish_reason;
+        setStatus(`generating… ${run.tokens.length} tokens`);
+      });
+      const n = run.tokens.length;
+      const secs = (performance.now() - started) / 1000;
+      const rate = n && secs > 0 ? ` · ${(n / secs).toFixed(1)} tok/s` : "";
+      setStatus(`done (${finish || "no finish reason"}) · ${n} tokens · ${secs.toFixed(1)} s${rate}`);
+      if (finish === "length") outcome = "cut at max tokens";
+    } catch (err) {
+      if (signal.aborted) {
+        setStatus(`stopped after ${run.tokens.length} tokens`);
+        outcome = "stopped";
+      } else {
+        errors.show(err);
+        outcome = "interrupted by an error";
+      }
+    } finally {
+      controller = null;
+      setRunning(false);
+      answer.removeAttribute("aria-busy");
+    }
+    if (mine !== conversation) return;
+    if (!run.text) {
+      // Nothing was answered: take the turn back, so the message can be sent again as it was.
+      asked.remove();
+      answer.remove();
+      if (!input.value) input.value = text;
+      return;
+    }
+    history.push(question, { role: "assistant", content: run.text });
+    if (outcome) {
+      const note = answer.querySelector(".msg-note");
+      note.textContent = outcome;
+      note.hidden = false;
+    }
+  }
+
+  function newChat() {
+    conversation += 1;
+    if (controller) controller.abort();
+    history = [];
+    hideAlternatives(true);
+    list.replaceChildren();
+    errors.clear();
+    setStatus("");
+    input.focus();
+  }
+
+  form.addEventListener("submit", send);
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      form.requestSubmit();
+    }
+  });
+  stopButton.addEventListener("click", () => controller && controller.abort());
+  $("new-chat").addEventListener("click", newChat);
+  $("chat-settings").addEventListener("submit", (e) => e.preventDefault());
+  $("shade").addEventListener("change", (e) => list.classList.toggle("plain", !e.target.checked));
+  list.addEventListener("scroll", () => hideAlternatives(true), { passive: true });
+  watchTokens(list);
+}
