@@ -1,8 +1,10 @@
 """The engine: requests in, token events out, one batched model step at a time.
 
-`Engine.step()` asks the scheduler for the step's work (decodes plus prefill chunks), runs one
-packed forward over the paged KV cache, samples every sequence that needs a token, and returns the
-events. It is synchronous and single-threaded; `engine.async_engine` drives it from a thread.
+`Engine.step()` reads top to bottom: the speculator offers guesses, the scheduler plans the step
+(a `StepPlan`: decodes, verifications, prefill chunks), the model runner runs its one packed
+forward over the paged KV cache, and `_update` hands each sequence its logits rows (sample,
+verify, score the prompt) and turns the results into events. It is synchronous and
+single-threaded; `engine.async_engine` drives it from a thread.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from engine.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
 from engine.kv_cache import KVCache
 from engine.limits import EngineLimits, RequestError, RequestLimits
 from engine.proposers import make_speculator
+from engine.runner import ModelRunner
 from engine.sampler import SampleRow, SamplingParams, prompt_logprobs, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenEvent, TokenLogprob
+from engine.step_plan import ScheduledSeq, StepKind, StepPlan
 from engine.verify import verify
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
@@ -51,19 +55,6 @@ class _Request:
     prompt_lp_sent: bool = False
 
 
-@dataclass
-class _Chunk:
-    """One sequence's part of a step: its new tokens and the logits rows they get."""
-
-    seq: Sequence
-    num_tokens: int
-    first_row: int  # its first row in the step's logits
-    num_rows: int = 0
-    completes: bool = False  # the chunk reaches the sequence's last known token: sample after it
-    verifies: bool = False  # a decode with guesses: every position gets logits, for `verify`
-    scores: bool = False  # every position gets logits, for the prompt's logprobs
-
-
 class Engine:
     """Continuous batching over one model and its paged KV cache; `step()` runs one batch.
 
@@ -92,6 +83,7 @@ class Engine:
             model, num_blocks, config.kv_block_size, prefix_caching=config.prefix_caching
         )
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
+        self.runner = ModelRunner(self.model, self.cache)
         if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:
             raise ValueError("the draft model must use the model's tokenizer")
         self.speculator = make_speculator(
@@ -157,88 +149,57 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Run one batched forward and return the events it produced."""
-        if self.speculator is not None:
-            try:
-                self.speculator.propose(self.scheduler.running, self.max_len)
-            except Exception:  # a proposer fault costs the guesses, never the engine
-                log.exception("speculative proposal failed")
-                for seq in self.scheduler.running:
-                    seq.guesses = []
-        batch = self.scheduler.schedule()
-        if batch.preempted:  # counted for the server's /metrics, and logged
-            self.num_preemptions += len(batch.preempted)
+        plan = self.scheduler.schedule(self._propose())
+        if plan.preempted:  # counted for the server's /metrics, and logged
+            self.num_preemptions += len(plan.preempted)
             log.info(
                 "preempted %d sequence(s) for lack of KV cache blocks: %s",
-                len(batch.preempted), ", ".join(f"{s.request_id}/{s.index}" for s in batch.preempted),
+                len(plan.preempted), ", ".join(f"{s.request_id}/{s.index}" for s in plan.preempted),
             )  # fmt: skip
-        if not batch.items:
+        if not plan.scheduled:
             return self._fail(list(self.scheduler.running), "the request does not fit the KV cache")
         try:
-            return self._run(batch.items)
+            logits = self.runner.run(plan)  # (len(plan.logits_positions), V)
+            return self._update(plan, logits)
         except Exception as exc:  # a failed step fails only its own requests
             self.num_failed_steps += 1
             log.exception("engine step failed")
-            return self._fail([s for s, _ in batch.items], f"model step failed: {exc}")
+            return self._fail([s.seq for s in plan.scheduled], f"model step failed: {exc}")
 
-    def _run(self, items: list[tuple[Sequence, int]]) -> list[TokenEvent]:
-        meta = self.cache.prepare([(s.seq_id, n) for s, n in items])
-        tokens: list[int] = []
-        rows: list[int] = []  # packed positions that get logits
-        work: list[_Chunk] = []
-        for seq, n in items:
-            req = self._requests[seq.request_id]
-            start = len(tokens)
-            chunk = _Chunk(seq, n, first_row=len(rows))
-            chunk.verifies = seq.pending == 1 and n > 1  # the last token, then guesses
-            if chunk.verifies:
-                tokens.extend([seq.token_ids[-1], *seq.guesses])
-            else:
-                tokens.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
-            chunk.completes = chunk.verifies or seq.num_cached + n == len(seq.token_ids)
-            chunk.scores = (
-                req.params.prompt_logprobs is not None
-                and not req.prompt_lp_sent
-                and seq.index == 0
-                and seq.num_generated == 0
-            )
-            if chunk.scores or chunk.verifies:
-                rows.extend(range(start, start + n))
-            elif chunk.completes:
-                rows.append(start + n - 1)
-            chunk.num_rows = len(rows) - chunk.first_row
-            work.append(chunk)
-        with torch.inference_mode():
-            logits = self.model.forward_cached(
-                torch.tensor(tokens, device=self.device),
-                self.cache,
-                meta,
-                logits_index=torch.tensor(rows, dtype=torch.long, device=self.device),
-            )  # (len(rows), V), on the model's device
+    def _propose(self) -> dict[int, list[int]]:
+        """Guesses for decoding sequences to verify this step, {seq_id: tokens}, if speculating."""
+        if self.speculator is None:
+            return {}
+        try:
+            return self.speculator.propose(self.scheduler.running, self.max_len)
+        except Exception:  # a proposer fault costs the guesses, never the engine
+            log.exception("speculative proposal failed")
+            return {}
 
+    def _update(self, plan: StepPlan, logits: torch.Tensor) -> list[TokenEvent]:
+        """Apply the step's logits (len(plan.logits_positions), V) to its sequences: verify
+        guesses, score prompts, count the new tokens as cached, draw the next tokens."""
         events: list[TokenEvent] = []
         to_sample: list[tuple[Sequence, int]] = []  # (sequence, logits row)
-        for chunk in work:
-            seq = chunk.seq
+        for part in plan.scheduled:
+            seq = part.seq
             req = self._requests[seq.request_id]
-            if chunk.verifies:
-                end = chunk.first_row + chunk.num_rows
-                events.append(self._verify(req, seq, logits[chunk.first_row : end]))
+            if part.kind is StepKind.VERIFY:
+                events.append(self._verify(req, part, logits[part.rows]))
                 continue
-            if chunk.scores:
-                end = chunk.first_row + chunk.num_rows
-                self._score_prompt(req, seq.num_cached, logits[chunk.first_row : end])
-            seq.num_cached += chunk.num_tokens
+            if part.scores_prompt:
+                self._score_prompt(req, seq.num_cached, logits[part.rows])
+            seq.num_cached += part.num_tokens
             self.cache.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
-            if not chunk.completes:
+            if not part.samples:
                 continue
-            last = chunk.first_row + chunk.num_rows - 1
             if req.params.max_tokens == 0:
                 events.extend(self._finish_unsampled(req))
                 continue
-            to_sample.append((seq, last))
+            to_sample.append((seq, part.last_row))
             if not req.forked and seq.index == 0:
                 req.forked = True
-                to_sample.extend((child, last) for child in self._fork(req))
+                to_sample.extend((child, part.last_row) for child in self._fork(req))
         if to_sample:
             events.extend(self._sample(to_sample, logits))
         return events
@@ -292,15 +253,16 @@ class Engine:
                 self._retire(req, seq)
         return events
 
-    def _verify(self, req: _Request, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+    def _verify(self, req: _Request, part: ScheduledSeq, logits: torch.Tensor) -> TokenEvent:
         """Keep the guesses the model agrees with, plus a token of its own (logits (1 + k, V))."""
+        seq = part.seq
         row = SampleRow(seq.params, seq.token_ids[: seq.num_prompt], seq.output_ids,
                         seq.generator, self.eos)  # fmt: skip
-        out = verify(logits, row, seq.guesses)
-        self.speculator.record(seq, out.num_accepted)
+        out = verify(logits, row, part.guesses)
+        self.speculator.record(seq, len(part.guesses), out.num_accepted)
         settled = seq.num_cached + 1 + out.num_accepted  # the last token and the accepted guesses
         self.cache.truncate(seq.seq_id, settled)
-        seq.num_cached, seq.guesses = settled, []
+        seq.num_cached = settled
         text, lps, emitted = "", [], []
         for i, token in enumerate(out.tokens):
             if seq.finished:  # a stop or the length limit came before the last token

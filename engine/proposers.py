@@ -1,8 +1,9 @@
 """Speculative decoding in the engine: who proposes guesses, for which sequences, and when not.
 
-Before each step the `Speculator` gives some decoding sequences a few guesses (`seq.guesses`);
-the scheduler then plans such a sequence as a chunk of 1 + k tokens, the model scores them all in
-the step's one forward, and the engine keeps what `engine.verify.verify` accepts.
+Before each step the `Speculator` offers some decoding sequences a few guesses ({seq_id: tokens});
+the scheduler puts them in the step's plan as a chunk of 1 + k tokens (cut to its budget), the
+model scores them all in the step's one forward, and the engine keeps what `engine.verify.verify`
+accepts.
 
 Two proposers:
 - `NgramProposer` (prompt lookup, `--speculative ngram`): no second model; guesses what followed
@@ -113,16 +114,14 @@ class Speculator:
     _records: dict[int, _Record] = field(default_factory=dict)
     _steps: int = 0
 
-    def propose(self, running: list[Sequence], max_len: int) -> None:
-        """Set `guesses` on the decoding sequences that get some this step (and clear the rest)."""
+    def propose(self, running: list[Sequence], max_len: int) -> dict[int, list[int]]:
+        """{seq_id: guesses} for the decoding sequences that get some this step."""
         self._steps += 1
         # decoding sequences past their first token (a prompt's last chunk samples plainly: n > 1
         # forks happen there)
         decoding = [s for s in running if s.pending == 1 and s.num_generated >= 1]
-        for s in running:
-            s.guesses = []
         if not decoding or len(decoding) > self.max_batch:
-            return
+            return {}
         wanted = []
         for s in decoding:
             room = min(s.params.max_tokens - s.num_generated, max_len - len(s.token_ids)) - 1
@@ -130,25 +129,28 @@ class Speculator:
             if room > 0 and record.paused_until <= self._steps and s.constraint is None:
                 wanted.append((s, min(self.num_tokens, room)))
         got = self.proposer.propose(wanted)
+        offered: dict[int, list[int]] = {}
         for s, k in wanted:
-            s.guesses = got.get(s.seq_id, [])[:k]
-            if not s.guesses:  # nothing to offer, again and again: stop asking for a while
-                r = self._records[s.seq_id]
-                r.misses += 1
-                if r.misses >= 4:
-                    r.paused_until, r.misses = self._steps + self.pause_steps, 0
+            if guesses := got.get(s.seq_id, [])[:k]:
+                offered[s.seq_id] = guesses
+                continue
+            r = self._records[s.seq_id]  # nothing to offer, again and again: stop asking a while
+            r.misses += 1
+            if r.misses >= 4:
+                r.paused_until, r.misses = self._steps + self.pause_steps, 0
+        return offered
 
-    def record(self, seq: Sequence, accepted: int) -> None:
-        """Count a verification. Every `window` verifications, a sequence that got under a quarter
-        of its guesses accepted pauses, each poor run in a row twice as long as the last (so a
-        draft that does not pay for this text costs a few tries, not one in every few steps);
-        one that got half or more starts its backoff over."""
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Count a verification of `proposed` guesses. Every `window` verifications, a sequence
+        that got under a quarter of its guesses accepted pauses, each poor run in a row twice as
+        long as the last (so a draft that does not pay for this text costs a few tries, not one in
+        every few steps); one that got half or more starts its backoff over."""
         r = self._records.setdefault(seq.seq_id, _Record())
         r.attempts += 1
         r.misses = 0
-        r.proposed += len(seq.guesses)
+        r.proposed += proposed
         r.accepted += accepted
-        self.proposed_tokens += len(seq.guesses)
+        self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         if r.attempts < self.window:
             return

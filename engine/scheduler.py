@@ -3,29 +3,24 @@
 Every step: running sequences decode one token each; sequences still prefilling get chunks of
 their prompt within a token budget; waiting sequences are admitted while there is room (sequence
 slots, token budget, KV blocks). A sequence being admitted first takes whatever prefix of its
-tokens the cache already holds (`KVCache.reuse_prefix`) and prefills only the rest. When the cache cannot hold the step, the newest running sequence
-is preempted: its blocks are freed and it is requeued at the front, to be recomputed later.
+tokens the cache already holds (`KVCache.reuse_prefix`) and prefills only the rest. A decoding
+sequence offered guesses (speculative decoding) verifies them as a chunk of 1 + k tokens, trimmed
+to the budget. When the cache cannot hold the step, every guess is dropped first; then the newest
+running sequence is preempted: its blocks are freed and it is requeued at the front, to be
+recomputed later. The answer is a `StepPlan`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence
+from engine.step_plan import StepPlan
 
-
-@dataclass
-class ScheduledBatch:
-    """The step's work: (sequence, number of new tokens) in packed order."""
-
-    items: list[tuple[Sequence, int]]
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
+# (sequence, new tokens, guesses it verifies) in packed order: a plan before it is classified
+_Work = list[tuple[Sequence, int, list[int]]]
 
 
 class Scheduler:
@@ -56,16 +51,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, guesses: Mapping[int, list[int]] | None = None) -> StepPlan:
+        """The next step's plan; guesses maps a decoding sequence's seq_id to tokens to verify.
+
+        Preempted sequences have their blocks freed before this returns. A plan with nothing
+        scheduled means a lone running sequence does not fit the cache: the engine fails it.
+        """
+        guesses = guesses or {}
         preempted: list[Sequence] = []
         while True:
-            items = self._plan()
-            needed = sum(self.cache.blocks_needed(s.seq_id, n) for s, n in items)
+            work = self._plan(guesses)
+            needed = sum(self.cache.blocks_needed(s.seq_id, n) for s, n, _ in work)
             if needed <= self.cache.num_free_blocks:
                 break
-            if any(s.guesses for s in self.running):  # drop speculative guesses before anyone
-                for s in self.running:
-                    s.guesses = []
+            if any(g for _, _, g in work):  # drop speculative guesses before anyone
+                guesses = {}
                 continue
             if len(self.running) <= 1:
                 break
@@ -73,35 +73,35 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
         if needed > self.cache.num_free_blocks:
-            items = []  # a lone sequence that does not fit: the engine fails it
-        self._admit(items)
-        return ScheduledBatch(items, preempted)
+            work = []  # a lone sequence that does not fit: the engine fails it
+        self._admit(work)
+        return StepPlan.build(work, preempted)
 
-    def _plan(self) -> list[tuple[Sequence, int]]:
-        """Decodes first (one token each), then prefill chunks, within the token budget."""
+    def _plan(self, guesses: Mapping[int, list[int]]) -> _Work:
+        """Decodes first (one token each), then verifications, then prefill chunks, within the
+        token budget; a verification's guesses are cut to what the budget leaves."""
         budget = self.max_batch_tokens
-        items = []
+        work: _Work = []
         for seq in self.running:
-            if seq.pending == 1 and not seq.guesses:
-                items.append((seq, 1))
+            if seq.pending == 1 and not guesses.get(seq.seq_id):
+                work.append((seq, 1, []))
                 budget -= 1
         for seq in self.running:  # decodes that verify guesses: their last token and the guesses
-            if seq.pending == 1 and seq.guesses:
-                n = min(1 + len(seq.guesses), max(budget, 1))
-                seq.guesses = seq.guesses[: n - 1]
-                items.append((seq, n))
+            if seq.pending == 1 and (offered := guesses.get(seq.seq_id)):
+                n = min(1 + len(offered), max(budget, 1))
+                work.append((seq, n, list(offered[: n - 1])))
                 budget -= n
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
-                items.append((seq, n))
+                work.append((seq, n, []))
                 budget -= n
-        return items
+        return work
 
-    def _admit(self, items: list[tuple[Sequence, int]]) -> None:
+    def _admit(self, work: _Work) -> None:
         """Move waiting sequences into the batch while slots, budget and blocks allow."""
-        budget = self.max_batch_tokens - sum(n for _, n in items)
-        reserved = sum(self.cache.blocks_needed(s.seq_id, n) for s, n in items)
+        budget = self.max_batch_tokens - sum(n for _, n, _ in work)
+        reserved = sum(self.cache.blocks_needed(s.seq_id, n) for s, n, _ in work)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # prompt logprobs need every prompt position computed: such requests reuse nothing
@@ -121,12 +121,11 @@ class Scheduler:
             if seq.num_generated == 0 and seq.params.prompt_logprobs is None:  # first admission
                 seq.num_prefix_hit = seq.num_cached
                 self.cache.count_prefix_query(seq.num_prompt, seq.num_cached)
-            items.append((seq, n))
+            work.append((seq, n, []))
             budget -= n
             reserved += need
 
     def _preempt(self, seq: Sequence) -> None:
         self.cache.free(seq.seq_id)
         seq.num_cached = 0
-        seq.guesses = []
         self.waiting.appendleft(seq)

@@ -76,7 +76,6 @@ class Sequence:
         self.num_cached = 0  # tokens whose keys/values are in the KV cache
         self.num_prefix_hit = 0  # prompt tokens found in the prefix cache at first admission
         self.constraint = None if params.constraint is None else params.constraint.fork()
-        self.guesses: list[int] = []  # speculative tokens the next step verifies
         self.generator: torch.Generator | None = params.make_generator(index)
         self.finish_reason: str | None = None
         self._tokenizer = tokenizer

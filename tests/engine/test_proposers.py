@@ -155,10 +155,10 @@ def test_guesses_that_keep_failing_are_tried_ever_more_rarely(tok, accepted):
     seq = _decoding_sequence(tok)
     tried = 0
     for _ in range(1000):
-        speculator.propose([seq], max_len=100_000)
-        if seq.guesses:
+        guesses = speculator.propose([seq], max_len=100_000).get(seq.seq_id, [])
+        if guesses:
             tried += 1
-            speculator.record(seq, accepted)
+            speculator.record(seq, len(guesses), accepted)
     if accepted:  # every guess right: guesses every step
         assert tried == 1000
     else:  # 2 tries, then pauses of 16, 32, ..., 512 steps: 6 runs of 2 tries in 1000 steps

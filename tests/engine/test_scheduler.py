@@ -1,0 +1,159 @@
+"""The scheduler's StepPlan: kinds, token counts, logits rows, guesses and preemptions per step."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import KVCache
+from engine.sampler import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.step_plan import StepKind, StepPlan
+from model import get_tokenizer
+
+TOK = get_tokenizer()
+BLOCK = 4
+
+
+def make_seq(seq_id: int, prompt: list[int], **params: object) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, prompt, SamplingParams(**params), TOK)
+
+
+def play(cache: KVCache, plan: StepPlan, next_token: int = 99) -> None:
+    """What the engine does with a plan, without a model: cache the tokens, append a token to
+    every sequence whose chunk samples (a verification accepts none of its guesses)."""
+    cache.prepare([(p.seq.seq_id, p.num_tokens) for p in plan.scheduled])
+    for part in plan.scheduled:
+        seq = part.seq
+        if part.kind is StepKind.VERIFY:
+            cache.truncate(seq.seq_id, seq.num_cached + 1)
+            seq.num_cached += 1
+        else:
+            seq.num_cached += part.num_tokens
+        if part.samples:
+            seq.token_ids.append(next_token)
+
+
+def decoding(scheduler: Scheduler, *seqs: Sequence) -> None:
+    """Prefill seqs in one step and sample their first tokens: they decode from then on."""
+    for seq in seqs:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert [p.kind for p in plan.scheduled] == [StepKind.PREFILL] * len(seqs)
+    play(scheduler.cache, plan)
+    assert all(s.pending == 1 for s in seqs)
+
+
+def test_a_decode_a_verification_and_a_prefill_chunk():
+    cache = KVCache(1, 1, 2, num_blocks=32, block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=8)
+    a, b = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5, 6])
+    decoding(scheduler, a, b)
+    c = make_seq(2, list(range(10, 20)))  # ten prompt tokens: 3 fit next to 1 + 4
+    scheduler.add(c)
+
+    plan = scheduler.schedule({b.seq_id: [7, 8, 9]})
+
+    assert [p.seq for p in plan.scheduled] == [a, b, c] and plan.preempted == []
+    assert [p.kind for p in plan.scheduled] == [StepKind.DECODE, StepKind.VERIFY, StepKind.PREFILL]
+    assert [p.num_tokens for p in plan.scheduled] == [1, 4, 3] and plan.num_tokens == 8
+    pa, pb, pc = plan.scheduled
+    assert pa.input_ids() == [99] and pb.input_ids() == [99, 7, 8, 9]
+    assert pc.input_ids() == [10, 11, 12]
+    assert pb.guesses == [7, 8, 9] and pa.guesses == [] and pc.guesses == []
+    # the decode's one row, then a row for each of the verification's positions; the chunk that
+    # ends inside the prompt gets none
+    assert plan.logits_positions == [0, 1, 2, 3, 4]
+    assert (pa.rows, pb.rows, pc.num_rows) == (slice(0, 1), slice(1, 5), 0)
+    assert (pa.samples, pb.samples, pc.samples) == (True, True, False)
+    assert pa.last_row == 0 and pb.last_row == 4
+
+    play(cache, plan)  # the prompt's last 7 tokens fill the next step after two decodes
+    plan = scheduler.schedule()
+    assert [(p.kind, p.num_tokens) for p in plan.scheduled] == [
+        (StepKind.DECODE, 1), (StepKind.DECODE, 1), (StepKind.PREFILL, 6)
+    ]  # fmt: skip
+    assert plan.logits_positions == [0, 1] and not plan.scheduled[2].samples
+    play(cache, plan)
+    plan = scheduler.schedule()
+    assert plan.logits_positions == [0, 1, 2] and plan.scheduled[2].samples
+    assert plan.scheduled[2].kind is StepKind.PREFILL and plan.scheduled[2].num_tokens == 1
+
+
+def test_guesses_are_cut_to_the_token_budget_and_kept_only_for_their_step():
+    cache = KVCache(1, 1, 2, num_blocks=32, block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=4)
+    a, b = make_seq(0, [1, 2]), make_seq(1, [3, 4])
+    decoding(scheduler, a, b)
+    offered = {b.seq_id: [5, 6, 7, 8, 9]}
+
+    plan = scheduler.schedule(offered)
+
+    pa, pb = plan.scheduled
+    assert pa.kind is StepKind.DECODE and pb.kind is StepKind.VERIFY
+    assert pb.num_tokens == 3 and pb.guesses == [5, 6] and plan.num_tokens == 4
+    assert offered == {b.seq_id: [5, 6, 7, 8, 9]}  # the proposer's answer is not changed
+    # the first verification takes the budget: the second has no room left and decodes plainly
+    scheduler.max_batch_tokens = 2
+    plan = scheduler.schedule({a.seq_id: [5], b.seq_id: [6]})
+    assert [(p.seq, p.kind, p.num_tokens, p.guesses) for p in plan.scheduled] == [
+        (a, StepKind.VERIFY, 2, [5]), (b, StepKind.DECODE, 1, [])
+    ]  # fmt: skip
+    assert plan.logits_positions == [0, 1, 2]
+    scheduler.max_batch_tokens = 4  # guesses are the step's: the next step has none
+    assert [p.kind for p in scheduler.schedule().scheduled] == [StepKind.DECODE] * 2
+
+
+def test_guesses_go_before_any_sequence_is_preempted():
+    cache = KVCache(1, 1, 2, num_blocks=3, block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=16)
+    a, b = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5, 6])
+    decoding(scheduler, a, b)  # each holds one block with a slot left
+    assert cache.num_free_blocks == 1
+
+    plan = scheduler.schedule({a.seq_id: [7, 8, 9, 10, 11, 12]})  # 7 tokens: two more blocks
+
+    assert plan.preempted == []
+    assert [(p.kind, p.num_tokens) for p in plan.scheduled] == [(StepKind.DECODE, 1)] * 2
+    assert plan.logits_positions == [0, 1]
+
+
+def test_preempted_sequences_are_named_and_left_out():
+    cache = KVCache(1, 1, 2, num_blocks=3, block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=16)
+    a, b = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5, 6])
+    decoding(scheduler, a, b)
+    play(cache, scheduler.schedule())  # both blocks are full: the next decodes need two, 1 is free
+
+    plan = scheduler.schedule()
+
+    assert plan.preempted == [b] and [p.seq for p in plan.scheduled] == [a]
+    assert list(scheduler.waiting) == [b] and b.num_cached == 0 and not cache.holds(b.seq_id)
+    assert plan.scheduled[0].kind is StepKind.DECODE
+
+
+def test_prompt_logprobs_get_a_row_for_every_prompt_position():
+    cache = KVCache(1, 1, 2, num_blocks=32, block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=4)
+    seq = make_seq(0, [1, 2, 3, 4, 5, 6], prompt_logprobs=1)
+    scheduler.add(seq)
+
+    first = scheduler.schedule()
+    (part,) = first.scheduled
+    assert part.kind is StepKind.PREFILL and part.scores_prompt and not part.samples
+    assert first.logits_positions == [0, 1, 2, 3] and part.rows == slice(0, 4)
+    play(cache, first)
+    (part,) = scheduler.schedule().scheduled
+    assert part.num_tokens == 2 and part.rows == slice(0, 2) and part.samples
+    assert part.scores_prompt and part.last_row == 1
+
+
+def test_a_one_token_prompt_is_a_prefill_and_a_bad_verification_is_refused():
+    cache = KVCache(1, 1, 2, num_blocks=8, block_size=BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=8)
+    seq = make_seq(0, [1])
+    scheduler.add(seq)
+    (part,) = scheduler.schedule().scheduled
+    assert part.kind is StepKind.PREFILL and part.samples and part.num_rows == 1
+    with pytest.raises(ValueError, match="last token and its guesses"):
+        StepPlan.build([(seq, 2, [5, 6])], [])
