@@ -52,8 +52,9 @@ class DraftProposer:
         blocks = max_num_seqs * -(-model.config.context_length // block_size)
         self.cache = KVCache.for_model(model, blocks, block_size, prefix_caching=False)
         self.device = next(model.parameters()).device
-        # tokens of each sequence fed to the draft as the sequence's own (its guesses after them
-        # are the draft's, dropped before the next proposal whether they were checked or not)
+        # tokens of each sequence the draft's cache holds as the sequence's own, counted once a
+        # forward over them succeeded (its guesses after them are the draft's, dropped before the
+        # next proposal whether they were checked or not)
         self._own_tokens_fed: dict[int, int] = {}
 
     @torch.inference_mode()
@@ -65,11 +66,11 @@ class DraftProposer:
                 todo.append((s, k))
         feed = {}
         for s, _ in todo:
+            # past _own_tokens_fed: guesses, or room a failed forward reserved but never filled
             fed = self._own_tokens_fed.get(s.seq_id, 0)
             if self.cache.seq_len(s.seq_id) > fed:
                 self.cache.truncate(s.seq_id, fed)
             feed[s.seq_id] = s.token_ids[fed:]
-            self._own_tokens_fed[s.seq_id] = len(s.token_ids)
         guesses: dict[int, list[int]] = {s.seq_id: [] for s, _ in todo}
         for step in range(max((k for _, k in todo), default=0)):
             batch = [(s, feed[s.seq_id]) for s, k in todo if step < k]
@@ -79,6 +80,9 @@ class DraftProposer:
                 break  # the draft's pool is full: propose what there is
             tokens = torch.tensor([t for _, ts in batch for t in ts], device=self.device)
             logits = self.model.forward_cached(tokens, self.cache, meta)  # (B, V)
+            if step == 0:  # the sequences' own tokens are in the draft's cache now
+                for s, _ in batch:
+                    self._own_tokens_fed[s.seq_id] = len(s.token_ids)
             for (s, _), token in zip(batch, logits.argmax(-1).tolist()):
                 guesses[s.seq_id].append(token)
                 feed[s.seq_id] = [token]

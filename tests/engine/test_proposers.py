@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
-from engine.proposers import Speculator
+from engine.kv_cache import OutOfBlocks
+from engine.proposers import DraftProposer, Speculator
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
 from model import GPT, ModelConfig, get_tokenizer
@@ -164,3 +165,47 @@ def test_guesses_that_keep_failing_are_tried_ever_more_rarely(tok, accepted):
     else:  # 2 tries, then pauses of 16, 32, ..., 512 steps: 6 runs of 2 tries in 1000 steps
         assert tried == 12
         assert speculator.proposed_tokens == 4 * tried and speculator.accepted_tokens == 0
+
+
+def _cached_keys(proposer: DraftProposer, seq_id: int, n: int) -> torch.Tensor:
+    """The keys of a sequence's first n tokens in the draft's cache, (n_layer, n, n_head, hd)."""
+    k = proposer.cache.k[:, proposer.cache.block_table(seq_id)]  # (L, blocks, block, H, hd)
+    return k.reshape(k.shape[0], -1, *k.shape[3:])[:, :n]
+
+
+@pytest.mark.parametrize("fault", ["out_of_blocks", "forward_error"])
+def test_a_failed_draft_step_leaves_the_draft_in_step_with_its_sequence(tok, monkeypatch, fault):
+    torch.manual_seed(1)
+    draft = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64)).eval()
+    proposer = DraftProposer(draft, max_num_seqs=1, block_size=4)
+    seq = _decoding_sequence(tok)
+    if fault == "out_of_blocks":  # the draft's pool is full
+        owner, name, error = proposer.cache, "prepare", OutOfBlocks("full")
+    else:  # the draft's forward fails after its cache room was reserved
+        owner, name, error = draft, "forward_cached", RuntimeError("boom")
+    original = getattr(owner, name)
+    faults = [error]
+
+    def fails_once(*args, **kwargs):
+        if faults:
+            raise faults.pop()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, fails_once)
+    if fault == "out_of_blocks":
+        assert proposer.propose([(seq, 3)]) == {}  # a full pool: no guesses this step
+    else:
+        with pytest.raises(RuntimeError, match="boom"):
+            proposer.propose([(seq, 3)])
+    seq.token_ids.append(9)  # the step decoded plainly
+    seq.num_cached += 1
+
+    got = proposer.propose([(seq, 3)])
+    fresh = DraftProposer(draft, max_num_seqs=1, block_size=4)
+    want = fresh.propose([(seq, 3)])
+    assert got == want and len(want[seq.seq_id]) == 3
+    length = fresh.cache.seq_len(seq.seq_id)
+    assert proposer.cache.seq_len(seq.seq_id) == length == len(seq.token_ids) + 2
+    assert torch.equal(
+        _cached_keys(proposer, seq.seq_id, length), _cached_keys(fresh, seq.seq_id, length)
+    )
