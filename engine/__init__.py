@@ -1,10 +1,11 @@
 """Everything between a request and its tokens.
 
-One step reads top to bottom: `scheduler.py` decides which sequences run and how many new tokens
-each gets (a `StepPlan`), `engine.py` runs the model over the paged KV cache (`kv_cache.py`, its
-blocks in `block_pool.py`, prompt reuse in `prefix_index.py`) and samples (`sampler.py`, with
-`grammar.py` masks and `verify.py` for speculative guesses from `proposers.py`), and turns the
-tokens into events on each `Sequence`. `async_engine.py` drives it from a thread for the server;
+One step reads top to bottom, in `engine.py`: `scheduler.py` decides which sequences run and how
+many new tokens each gets (a `StepPlan`, `step_plan.py`), `runner.py` runs the model's one forward
+over the paged KV cache (`kv_cache.py`, its blocks in `block_pool.py`, prompt reuse in
+`prefix_index.py`), and the engine samples (`sampler.py`, with `grammar.py` masks and `verify.py`
+for speculative guesses from `proposers.py`) and turns the tokens into events on each
+`Sequence`. `async_engine.py` drives it from a thread for the server;
 `loader.py` builds a servable model from a checkpoint; `limits.py` says what one request may ask
 (the engine and the server check the same rules); `python -m engine` generates offline.
 """
