@@ -5,8 +5,10 @@ every `nn.Linear` of the layers gets oneDNN's weight layout where this CPU and b
 (per-thread slabs otherwise), each feed-forward block becomes a `FusedMLP` whose first product
 applies GELU/ReLU itself, and the output head keeps both forms (slabs for one row, oneDNN for
 more; `model.cpu.onednn_linear.RowSwitch`; in bfloat16 oneDNN's alone). A tied embedding then
-reads its rows from the head's slabs, so the table is stored once. Layers already quantized (`model.quantize`) are left as they
-are. `python bench/cpu_parts.py` measures each part against what it replaces.
+reads its rows from the head's slabs, so the table is stored once. Layers already quantized
+(`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
+only `nn.Linear` modules are swapped. A gated (SwiGLU) feed-forward block keeps its own forward.
+`python bench/cpu_parts.py` measures each part against what it replaces.
 
 The model computes the same function afterwards, but its parameters are no longer trainable
 tensors: it cannot be trained, and `save_checkpoint` refuses it. `GPT` itself knows nothing of
@@ -67,7 +69,8 @@ def optimize_for_cpu(model: GPT, threads: int | None = None) -> GPT:
             model.transformer.wte = PackedEmbedding(slabs)
     for block in model.transformer.h:
         c_fc = block.mlp.c_fc
-        if isinstance(c_fc, nn.Linear) and OneDnnLinear.supports(c_fc.weight.dtype):
+        gated = getattr(block.mlp, "gated", False)  # SwiGLU: no fused activation for it
+        if isinstance(c_fc, nn.Linear) and not gated and OneDnnLinear.supports(c_fc.weight.dtype):
             block.mlp = FusedMLP(block.mlp, threads)
     pack_linears(model, threads)
     return model
