@@ -75,7 +75,7 @@ class Engine:
         num_blocks = config.num_blocks
         if num_blocks is None:
             per_block = KVCache.bytes_per_block(
-                mc.n_layer, mc.n_head, mc.head_dim, config.kv_block_size, param.dtype
+                mc.n_layer, mc.kv_heads, mc.head_dim, config.kv_block_size, param.dtype
             )
             full = config.max_num_seqs * -(-self.max_len // config.kv_block_size)
             num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
@@ -91,6 +91,8 @@ class Engine:
             config.speculative_max_batch, config.max_num_seqs, config.kv_block_size,
         )  # fmt: skip
         self.eos = tokenizer.eot_token
+        # every id that ends a generation: the tokenizer's EOS and generation_config.json's ids
+        self.end_tokens = frozenset(getattr(tokenizer, "eos_token_ids", [self.eos]))
         self.device = param.device
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -243,7 +245,7 @@ class Engine:
         for i, (seq, _) in enumerate(work):
             req = self._requests[seq.request_id]
             token = out.tokens[i]
-            text = seq.append(token, self.eos, self.max_len)
+            text = seq.append(token, self.end_tokens, self.max_len)
             lps = []
             if seq.params.logprobs is not None:
                 top = list(zip(out.top_ids[i], out.top_logprobs[i]))
@@ -268,7 +270,7 @@ class Engine:
             if seq.finished:  # a stop or the length limit came before the last token
                 break
             emitted.append(token)
-            text += seq.append(token, self.eos, self.max_len)
+            text += seq.append(token, self.end_tokens, self.max_len)
             if seq.params.logprobs is not None:
                 top = list(zip(out.top_ids[i], out.top_logprobs[i]))
                 lps.append(TokenLogprob(token, out.logprobs[i], top))

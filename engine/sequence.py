@@ -10,6 +10,7 @@ constraint) ends when its grammar is complete.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -103,13 +104,16 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, eos_token: int, max_len: int) -> str:
-        """Add a sampled token; returns the text it releases and sets finish_reason when done."""
+    def append(self, token: int, end_tokens: int | Collection[int], max_len: int) -> str:
+        """Add a sampled token; returns the text it releases and sets finish_reason when done.
+        end_tokens: the model's end-of-text id, or all of them (Llama 3 ends a turn with
+        <|eot_id|> and a text with <|end_of_text|>)."""
         p = self.params
         self.token_ids.append(token)
         self.text_offsets.append(len(self._text))
         n_out = self.num_generated
-        ends = token == eos_token and (not p.ignore_eos or self.constraint is not None)
+        is_end = token == end_tokens if isinstance(end_tokens, int) else token in end_tokens
+        ends = is_end and (not p.ignore_eos or self.constraint is not None)
         if token in p.stop_token_ids or ends:
             self.finish_reason = "stop"
             return self._release(self._text[self._released :])  # the stop token adds no text

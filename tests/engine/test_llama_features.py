@@ -134,3 +134,25 @@ def test_stop_strings_and_end_tokens(model: GPT, tok: HFTokenizer) -> None:
     engine.add_request("e", prompt, SamplingParams(max_tokens=16, stop_token_ids=[end], **GREEDY))
     events = run(engine)["e"]
     assert token_ids(events)[-1] == end and events[-1].finish_reason == "stop"
+
+
+def test_any_of_the_models_end_tokens_ends_a_generation(
+    model: GPT, tok: HFTokenizer, tmp_path: Path
+) -> None:
+    """generation_config.json's eos_token_id list: each id ends a turn (Llama 3's <|eot_id|>)."""
+    prompt = tok.encode(PROMPTS[1])
+    free = greedy_reference(model, prompt, 12)
+    end = free[5]
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    tok._tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end]}))
+    ends_early = HFTokenizer.from_directory(directory)
+    assert ends_early.eos_token_ids == [2, end]
+    engine = Engine(model, ends_early, EngineConfig(kv_block_size=8))
+    engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=12))
+    events = run(engine)["x"]
+    assert token_ids(events) == free[: free.index(end) + 1]
+    assert events[-1].finish_reason == "stop"
+    assert text_of(events) == tok.decode(free[: free.index(end)])
