@@ -79,12 +79,44 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# SmolLM2-135M's shape: 30 layers, 576 wide, 9 query and 3 KV heads, vocab 49152, tied embeddings
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)  # fmt: skip
+
+
 def hf_model(args):
+    torch.manual_seed(0)
+    if args.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval()
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(0)
     cfg = GPT2Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     return GPT2LMHeadModel(cfg).eval()
+
+
+def write_filler_tokenizer(directory: str, vocab_size: int) -> None:
+    """A byte-level tokenizer.json with `vocab_size` ids for a random Llama (the last one its end
+    token): the engine needs a tokenizer to stream text; the ids are what is timed."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    while len(vocab) < vocab_size - 1:
+        vocab[f"tok{len(vocab)}"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|end|>"])
+    tok.save(f"{directory}/tokenizer.json")
+    config = {"eos_token": "<|end|>"}
+    Path(directory, "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def time_hf(hf, prompt: torch.Tensor, new: int, device: str) -> tuple[float, list[int]]:
@@ -197,6 +229,10 @@ def main() -> None:
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"rows to run, of {', '.join(ROWS)}")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="one row: this dtype (--rows ignored)")
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="one row: this quantization")
+    p.add_argument(
+        "--arch", default="gpt2", choices=("gpt2", "llama"),
+        help="gpt2: GPT-2's shape from the size flags; llama: SmolLM2-135M's shape (GQA)",
+    )  # fmt: skip
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
@@ -231,12 +267,15 @@ def main() -> None:
     blocks_per_seq = -(-(args.prompt_len + new + 16) // 16)  # room for speculative guesses
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
+        if args.arch == "llama":
+            write_filler_tokenizer(tmp, hf.config.vocab_size)
         n_params = load_checkpoint(tmp).num_params()
         served = [serve(row, tmp, dev, 32 * blocks_per_seq) for row in rows]
     hf = hf.to(device=dev)
     gen = torch.Generator().manual_seed(0)
     prompts = [
-        torch.randint(0, 50257, (args.prompt_len,), generator=gen).tolist() for _ in range(32)
+        torch.randint(0, hf.config.vocab_size - 1, (args.prompt_len,), generator=gen).tolist()
+        for _ in range(32)
     ]
     hf_prompt = torch.tensor([prompts[0]], device=dev)
     with torch.no_grad():  # warm-up
@@ -273,7 +312,8 @@ def main() -> None:
     hf_bytes = 4 * n_params
     base = next((s for s in served if s.row.dtype == "float32" and s.row.quantize == "none"), None)
     print(
-        f"\ndecode: GPT-2 {n_params / 1e6:.0f}M random weights, {dev}, "
+        f"\ndecode: {'SmolLM2-shaped' if args.arch == 'llama' else 'GPT-2'} "
+        f"{n_params / 1e6:.0f}M random weights, {dev}, "
         f"{torch.get_num_threads()} threads, prompt {args.prompt_len}, {new} new tokens, greedy; "
         f"best of {args.rounds} alternating rounds for one stream"
     )
