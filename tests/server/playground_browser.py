@@ -46,7 +46,9 @@ needs_chromium = pytest.mark.skipif(
 
 
 @contextmanager
-def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[str]:
+def run_server(
+    model_dir: Path, log_path: Path, *extra: str, startup_timeout: float = STARTUP_TIMEOUT
+) -> Iterator[str]:
     """`python -m server` on a free port; yields its base URL and always stops it."""
     port = free_port()
     cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port), *extra]
@@ -54,7 +56,7 @@ def run_server(model_dir: Path, log_path: Path, *extra: str) -> Iterator[str]:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+        deadline = time.monotonic() + startup_timeout
         while True:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
