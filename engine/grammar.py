@@ -2,11 +2,12 @@
 
 A constraint is already decided when it comes here (which request field asked for it is the
 server's business, `server.structured_request`): JSON valid under a schema ("json"; any JSON
-object is `JSON_OBJECT_SCHEMA`), text matching a regular expression ("regex") or exactly one of a
-list of strings ("choice"). Each becomes a `Constraint`: a per-sequence matcher that, before every
-step, fills a row of a token bitmask (one bit per vocabulary id), and after every step is advanced
-with the sampled token. The sampler then applies `logits.masked_fill(~mask, -inf)` to the
-constrained rows.
+object is `JSON_OBJECT_SCHEMA`), text matching a regular expression ("regex"), exactly one of a
+list of strings ("choice") or a grammar in llguidance's Lark syntax ("lark": what a server builds
+for a format of its own, such as tool calls in running text). Each becomes a `Constraint`: a
+per-sequence matcher that, before every step, fills a row of a token bitmask (one bit per
+vocabulary id), and after every step is advanced with the sampled token. The sampler then
+applies `logits.masked_fill(~mask, -inf)` to the constrained rows.
 
     constraint = compile_constraint("json", schema, tokenizer)
     bitmask = allocate_bitmask(batch, vocab_size)        # once per engine, reused every step
@@ -46,8 +47,8 @@ import torch
 
 from model.tokenizer import Tokenizer
 
-ConstraintKind = Literal["json", "regex", "choice"]
-KINDS: tuple[str, ...] = ("json", "regex", "choice")
+ConstraintKind = Literal["json", "regex", "choice", "lark"]
+KINDS: tuple[str, ...] = ("json", "regex", "choice", "lark")
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}  # "json" spec for any JSON object
 GRAMMAR_CACHE_SIZE = 256
 MAX_SPEC_CHARS = 200_000  # serialized schema / regex / choices; compile time grows with size
@@ -143,6 +144,13 @@ def _clean(message: str) -> str:
     return re.sub(r"^at \d+\(\d+\): ", "", first)
 
 
+_INVALID = {
+    "regex": "invalid regular expression",
+    "choice": "invalid choices",
+    "lark": "invalid grammar",
+}
+
+
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _compile(kind: str, text: str, vocab_key: tuple[str, int]) -> _Compiled:
     vocab = _VOCABS[vocab_key]
@@ -153,6 +161,11 @@ def _compile(kind: str, text: str, vocab_key: tuple[str, int]) -> _Compiled:
             raise GrammarError(f"invalid JSON schema: {exc}") from None
     elif kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(text)
+    elif kind == "lark":
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except ValueError as exc:
+            raise GrammarError(f"invalid grammar: {_clean(str(exc))}") from None
     else:
         choices = json.loads(text)
         grammar = llguidance.LLMatcher.grammar_from_lark(
@@ -162,9 +175,7 @@ def _compile(kind: str, text: str, vocab_key: tuple[str, int]) -> _Compiled:
         grammar, vocab, limits=_LIMITS
     )
     if is_error:
-        what = {"regex": "invalid regular expression", "choice": "invalid choices"}.get(
-            kind, "unsupported or invalid JSON schema"
-        )
+        what = _INVALID.get(kind, "unsupported or invalid JSON schema")
         raise GrammarError(f"{what}: {_clean(messages[0])}")
     matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=_LIMITS)
     if matcher.is_error():
@@ -193,9 +204,10 @@ def _spec_text(kind: str, spec: object) -> str:
             text = json.dumps(spec, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise GrammarError(f"the schema is not JSON: {exc}") from None
-    elif kind == "regex":
+    elif kind in ("regex", "lark"):
         if not isinstance(spec, str):
-            raise GrammarError("must be a string (a regular expression)")
+            what = "a regular expression" if kind == "regex" else "a Lark grammar"
+            raise GrammarError(f"must be a string ({what})")
         text = spec
     elif kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec:
@@ -286,7 +298,8 @@ def compile_constraint(
 
     kind/spec: "json" (spec: a JSON schema as a dict; `JSON_OBJECT_SCHEMA` for any object),
     "regex" (spec: a regular expression the whole output must match, Rust `regex` syntax: no
-    lookaround or backreferences), "choice" (spec: a list of strings; the output is exactly one).
+    lookaround or backreferences), "choice" (spec: a list of strings; the output is exactly one),
+    "lark" (spec: a grammar in llguidance's Lark syntax, `%json {...}` and lazy lexemes included).
     vocab_size: the model's logits width, if larger than the tokenizer's (padded vocabularies).
     """
     text = _spec_text(kind, spec)
