@@ -24,11 +24,40 @@ export function renderMessage(message) {
   const body = document.createElement("div");
   body.className = "msg-body";
   if (message.content) body.textContent = message.content;
+  const calls = document.createElement("ul");
+  calls.className = "msg-calls";
   const note = document.createElement("p");
   note.className = "msg-note";
   note.hidden = true;
-  bubble.append(who, body, note);
+  bubble.append(who, body, calls, note);
+  showToolCalls(bubble, message.tool_calls || []);
   return bubble;
+}
+
+/** The message's tool calls under its text, one `name(arguments)` line each. */
+export function showToolCalls(bubble, calls) {
+  const list = bubble.querySelector(".msg-calls");
+  list.replaceChildren(
+    ...calls.map((call) => {
+      const item = document.createElement("li");
+      item.textContent = `${call.function.name}(${call.function.arguments})`;
+      return item;
+    }),
+  );
+  list.hidden = !calls.length;
+}
+
+/** Streamed `delta.tool_calls` added to the calls so far (a call's first piece names it). */
+function addToolCalls(calls, deltas) {
+  for (const piece of deltas || []) {
+    const fn = piece.function || {};
+    calls[piece.index] ||= {
+      id: piece.id, type: "function", function: { name: "", arguments: "" },
+    };
+    const call = calls[piece.index].function;
+    if (fn.name) call.name = fn.name;
+    if (fn.arguments) call.arguments += fn.arguments;
+  }
 }
 
 export function initChat() {
@@ -42,9 +71,14 @@ export function initChat() {
     statusEl.textContent = message;
   };
   const errors = new FieldErrors({
-    fields: ["message", "system", ...Object.values(NUMBERS), "api_key"],
+    fields: ["message", "system", "tools", ...Object.values(NUMBERS), "api_key"],
     general: "err-chat",
-    params: { messages: "message", max_completion_tokens: "chat_max_tokens", ...NUMBERS },
+    params: {
+      messages: "message",
+      max_completion_tokens: "chat_max_tokens",
+      tool_choice: "tools",
+      ...NUMBERS,
+    },
     setStatus,
   });
   let history = []; // the finished turns, as the server saw them: [{role, content}]
@@ -56,6 +90,15 @@ export function initChat() {
     if (!errors.readNumbers(body, NUMBERS)) return null;
     const system = $("system").value.trim();
     if (system) body.messages.push({ role: "system", content: system });
+    const tools = $("tools").value.trim();
+    if (tools) {
+      try {
+        body.tools = JSON.parse(tools);
+      } catch {
+        errors.set("tools", "Tools must be JSON: an array of tool objects.");
+        return null;
+      }
+    }
     body.messages.push(...history, { role: "user", content: text });
     return body;
   }
@@ -103,6 +146,7 @@ export function initChat() {
     setStatus("starting…");
     let finish = null;
     let outcome = null;
+    const calls = [];
     try {
       body.model = await modelFor(signal);
       await streamPost("/v1/chat/completions", body, signal, (chunk) => {
@@ -116,6 +160,10 @@ export function initChat() {
           offset += piece.length;
         }
         follow(() => run.append((choice.delta && choice.delta.content) || "", entries));
+        if (choice.delta && choice.delta.tool_calls) {
+          addToolCalls(calls, choice.delta.tool_calls);
+          follow(() => showToolCalls(answer, calls));
+        }
         if (choice.finish_reason) finish = choice.finish_reason;
         setStatus(`generating… ${run.tokens.length} tokens`);
       });
@@ -126,7 +174,7 @@ export function initChat() {
       if (finish === "length") outcome = "cut at max tokens";
     } catch (err) {
       if (signal.aborted) {
-        setStatus(`stopped after ${run.tokens.length} tokens`);
+        setStatus(mine === conversation ? `stopped after ${run.tokens.length} tokens` : "");
         outcome = "stopped";
       } else {
         errors.show(err);
@@ -138,14 +186,16 @@ export function initChat() {
       answer.removeAttribute("aria-busy");
     }
     if (mine !== conversation) return;
-    if (!run.text) {
+    if (!run.text && !calls.length) {
       // Nothing was answered: take the turn back, so the message can be sent again as it was.
       asked.remove();
       answer.remove();
       if (!input.value) input.value = text;
       return;
     }
-    history.push(question, { role: "assistant", content: run.text });
+    const reply = { role: "assistant", content: run.text || null };
+    if (calls.length) reply.tool_calls = calls;
+    history.push(question, reply);
     if (outcome) {
       const note = answer.querySelector(".msg-note");
       note.textContent = outcome;
