@@ -33,17 +33,19 @@ __all__ = ["BlockAllocator", "KVCache", "OutOfBlocks"]
 
 
 class KVCache:
-    """Key and value pools indexed (n_layer, num_blocks, block_size, n_head, head_dim).
+    """Key and value pools indexed (n_layer, num_blocks, block_size, n_kv_head, head_dim).
 
     `k` and `v` have that shape whatever their layout in memory, which is the attention backend's
     (`kernels.backends`): chosen once here, from the device and dtype unless one is given. A
     step's attention goes through it: `plan(meta)` once, then `attend(layer, ...)` per layer.
+    The pools hold the model's key/value heads only: with grouped-query attention, `group`
+    query heads read each of them (`kernels.gqa`).
     """
 
     def __init__(
         self,
         n_layer: int,
-        n_head: int,
+        n_kv_head: int,
         head_dim: int,
         num_blocks: int,
         block_size: int = 16,
@@ -52,9 +54,12 @@ class KVCache:
         block_order: Sequence[int] | None = None,
         prefix_caching: bool = True,
         backend: AttentionBackend | None = None,
+        group: int = 1,
     ) -> None:
         self.device = torch.device(device)
-        self.spec = KVSpec(n_layer, num_blocks, block_size, n_head, head_dim, dtype, self.device)
+        self.spec = KVSpec(
+            n_layer, num_blocks, block_size, n_kv_head, head_dim, dtype, self.device, group
+        )
         self.backend = backend or select_attention_backend(self.device, dtype)
         self.k, self.v = self.backend.allocate(self.spec)
         self.block_size = block_size
@@ -76,21 +81,29 @@ class KVCache:
         prefix_caching: bool = True,
         backend: AttentionBackend | None = None,
     ) -> KVCache:
-        """A cache shaped for `model` (its config's layers and heads), on its device and dtype."""
+        """A cache shaped for `model` (its config's layers and key/value heads), on its device
+        and dtype."""
         p = next(model.parameters())
         c = model.config
         return cls(
-            c.n_layer, c.n_head, c.head_dim, num_blocks, block_size,
+            c.n_layer, c.kv_heads, c.head_dim, num_blocks, block_size,
             device=device or p.device, dtype=dtype or p.dtype,
             block_order=block_order, prefix_caching=prefix_caching, backend=backend,
+            group=c.n_head // c.kv_heads,
         )  # fmt: skip
 
     @staticmethod
     def bytes_per_block(
-        n_layer: int, n_head: int, head_dim: int, block_size: int, dtype: torch.dtype
+        n_layer: int, n_kv_head: int, head_dim: int, block_size: int, dtype: torch.dtype
     ) -> int:
+        """Key and value bytes of one block over all layers, `n_kv_head` heads a slot."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layer * block_size * n_head * head_dim * itemsize
+        return 2 * n_layer * block_size * n_kv_head * head_dim * itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Key and value bytes one cached token takes over all layers."""
+        return self.spec.bytes_per_token
 
     @property
     def prefix_queried_tokens(self) -> int:
@@ -275,11 +288,12 @@ class KVCache:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
-        """Store one layer's new keys/values (N, H, D) at the step's slots, then attend the new
-        tokens' queries (N, H, D) over their sequences' cache: (N, H, D)."""
+        """Store one layer's new keys/values (N, H_kv, D) at the step's slots, then attend the
+        new tokens' queries (N, H, D) over their sequences' cache: (N, H, D)."""
         return self.backend.forward(q, k, v, self.k[layer], self.v[layer], plan)
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's new keys/values (N, H, D) at the step's slots (`meta.slot_mapping`)."""
+        """Store one layer's new keys/values (N, H_kv, D) at the step's slots
+        (`meta.slot_mapping`)."""
         at = KVWrite.of(meta, self.block_size)
         self.backend.write(self.k[layer], self.v[layer], k, v, at)

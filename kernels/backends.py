@@ -17,8 +17,10 @@ to find its path, and no module-level switch routes calls.
 - `SdpaGatherBackend`: any other device. Token-major pools, each sequence's blocks gathered for
   `scaled_dot_product_attention` (`kernels.sdpa_paged`).
 
-Every pool, whatever its layout, is indexed (n_layer, num_blocks, block_size, n_head, head_dim),
-so the cache copies blocks and writes slots the same way for all of them.
+Every pool, whatever its layout, is indexed (n_layer, num_blocks, block_size, n_kv_head,
+head_dim), so the cache copies blocks and writes slots the same way for all of them. A pool holds
+the model's key/value heads only; with grouped-query attention the queries have more heads, and
+every backend maps query head h to KV head h // group (`kernels.gqa`).
 """
 
 from __future__ import annotations
@@ -43,20 +45,27 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class KVSpec:
     """The pools of one KV cache: n_layer layers of num_blocks blocks of block_size slots, each
-    slot n_head key/value heads of head_dim elements of dtype, on device."""
+    slot n_kv_head key/value heads of head_dim elements of dtype, on device; `group` query heads
+    read each KV head (grouped-query attention; 1: as many query heads as KV heads)."""
 
     n_layer: int
     num_blocks: int
     block_size: int
-    n_head: int
+    n_kv_head: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    group: int = 1
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         """How every pool is indexed, whatever its layout in memory."""
-        return (self.n_layer, self.num_blocks, self.block_size, self.n_head, self.head_dim)
+        return (self.n_layer, self.num_blocks, self.block_size, self.n_kv_head, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Key and value bytes one token takes over all layers."""
+        return 2 * self.n_layer * self.n_kv_head * self.head_dim * self.dtype.itemsize
 
 
 class AttentionBackend(ABC, Generic[PlanT]):
@@ -78,14 +87,14 @@ class AttentionBackend(ABC, Generic[PlanT]):
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: PlanT,
         sm_scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """New tokens' queries (N, H, D) against one layer's pools (num_blocks, block_size, H,
-        D); the contract of `kernels.reference.paged_attention_reference`."""
+        """New tokens' queries (N, H, D) against one layer's pools (num_blocks, block_size,
+        H_kv, D); the contract of `kernels.reference.paged_attention_reference`."""
 
     def write(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         at: KVWrite,
     ) -> None:  # fmt: skip
-        """Store the new tokens' keys and values (N, H, D) in one layer's pools."""
+        """Store the new tokens' keys and values (N, H_kv, D) in one layer's pools."""
         where = (at.block, at.offset)
         k_pool.index_put_(where, k.to(k_pool.dtype))
         v_pool.index_put_(where, v.to(v_pool.dtype))
@@ -94,7 +103,7 @@ class AttentionBackend(ABC, Generic[PlanT]):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
         v_pool: torch.Tensor, plan: PlanT, sm_scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """One layer of a step: write k, v (N, H, D), then attend q (N, H, D) -> (N, H, D)."""
+        """One layer of a step: write k, v (N, H_kv, D), then attend q (N, H, D) -> (N, H, D)."""
         self.write(k_pool, v_pool, k, v, plan.write)
         return self.attend(q, k_pool, v_pool, plan, sm_scale)
 
@@ -104,8 +113,8 @@ class AttentionBackend(ABC, Generic[PlanT]):
 
 def _head_major(spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed pools whose every (block, head) is one contiguous (block_size, head_dim) tile,
-    seen through the (n_layer, num_blocks, block_size, n_head, head_dim) shape."""
-    stored = (spec.n_layer, spec.num_blocks, spec.n_head, spec.block_size, spec.head_dim)
+    seen through the (n_layer, num_blocks, block_size, n_kv_head, head_dim) shape."""
+    stored = (spec.n_layer, spec.num_blocks, spec.n_kv_head, spec.block_size, spec.head_dim)
     return tuple(
         torch.zeros(stored, dtype=spec.dtype, device=spec.device).transpose(2, 3) for _ in range(2)
     )
@@ -128,7 +137,8 @@ class TritonBackend(AttentionBackend[TritonPlan]):
     def plan(self, meta: AttentionMetadata, spec: KVSpec) -> TritonPlan:
         from kernels.triton.paged import default_split_size
 
-        split = default_split_size(meta, spec.n_head, spec.block_size, spec.device)
+        n_head = spec.n_kv_head * spec.group  # a program per query head
+        split = default_split_size(meta, n_head, spec.block_size, spec.device)
         return TritonPlan(meta, KVWrite.of(meta, spec.block_size), split)
 
     def attend(
@@ -171,14 +181,15 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             decodes, rest = None, meta
         else:
             decodes, rest = meta.split(n)
-        decode = None if decodes is None else plan_decode(decodes, spec.block_size, spec.n_head)
+        decode = None if decodes is None else plan_decode(decodes, spec.block_size, spec.n_kv_head)
         rest_plan = None
         if rest is not None:
             if self.cascade:
                 rest_plan = plan_cascade(rest, spec.block_size)
             if rest_plan is None or not rest_plan.groups:
-                kv_bytes = spec.dtype.itemsize
-                rest_plan = plan_gather(rest, spec.block_size, spec.n_head, spec.head_dim, kv_bytes)
+                rest_plan = plan_gather(
+                    rest, spec.block_size, spec.n_kv_head, spec.head_dim, spec.dtype.itemsize
+                )
         write = KVWrite.of(meta, spec.block_size)
         return CpuPagedPlan(meta, write, decodes, decode, rest, rest_plan)
 
@@ -214,7 +225,7 @@ class SdpaGatherBackend(AttentionBackend[SdpaGatherPlan]):
 
     def plan(self, meta: AttentionMetadata, spec: KVSpec) -> SdpaGatherPlan:
         kv_bytes = spec.dtype.itemsize
-        gather = plan_gather(meta, spec.block_size, spec.n_head, spec.head_dim, kv_bytes)
+        gather = plan_gather(meta, spec.block_size, spec.n_kv_head, spec.head_dim, kv_bytes)
         return SdpaGatherPlan(meta, KVWrite.of(meta, spec.block_size), gather)
 
     def attend(

@@ -2,6 +2,10 @@
 
 Written for clarity, not speed (the CPU paths are `kernels.sdpa_paged` and
 `kernels.cpu.decode`). Both functions compute in fp32 and return the input dtype.
+
+Keys and values may have fewer heads than the queries (grouped-query attention): H_q must be a
+multiple of H_kv, and query head h reads key/value head h // (H_q // H_kv), as SDPA's
+`enable_gqa` does (`kernels.gqa`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import math
 
 import torch
 
+from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata
 
 
@@ -17,8 +22,11 @@ def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     sm_scale: float | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """softmax(q k^T * scale) v over (B, H, T, D) tensors; causal masks are bottom-right aligned."""
+    """softmax(q k^T * scale) v with q (B, H, Tq, D), k and v (B, H_kv, Tk, D); causal masks
+    are bottom-right aligned."""
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = kv_group(q.shape[-3], k.shape[-3])
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)  # (B, H, Tk, D)
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
     if causal:
         tq, tk = q.shape[-2], k.shape[-2]
@@ -36,7 +44,8 @@ def paged_attention_reference(
     """Attention of packed new tokens against each sequence's paged keys and values.
 
     q: (N, H, D), the new tokens of B sequences one after another.
-    k_cache, v_cache: (num_blocks, block_size, H, D), one layer's pools (new tokens already written).
+    k_cache, v_cache: (num_blocks, block_size, H_kv, D), one layer's pools (new tokens already
+        written); query head h reads key/value head h // (H // H_kv).
     meta: the step's block tables, context lengths and query offsets (`AttentionMetadata`).
     The causal mask is bottom-right aligned: query i of a sequence with L tokens and n new ones
     sits at position L - n + i and sees keys 0 .. L - n + i.
@@ -52,11 +61,10 @@ def paged_attention_reference(
     max_q = int(q_lens.max())
     n_blocks = max(1, -(-int(ctx.max()) // block_size))
     tables = block_tables[:, :n_blocks].long()  # (B, nb)
-    batch = tables.shape[0]
-
-    # gather each sequence's keys and values: (B, nb * bs, H, D)
-    keys = k_cache[tables].reshape(batch, n_blocks * block_size, n_head, head_dim).float()
-    values = v_cache[tables].reshape(batch, n_blocks * block_size, n_head, head_dim).float()
+    group = kv_group(n_head, k_cache.shape[2])
+    # gather each sequence's keys and values, each KV head repeated for its group: (B, Lk, H, D)
+    keys = k_cache[tables].flatten(1, 2).repeat_interleave(group, dim=2).float()
+    values = v_cache[tables].flatten(1, 2).repeat_interleave(group, dim=2).float()
     kpos = torch.arange(n_blocks * block_size, device=device)  # (Lk,)
     key_valid = kpos[None, :] < ctx[:, None]  # (B, Lk)
     # unused slots may hold anything (even NaN): zero them so 0 * garbage cannot poison the sum

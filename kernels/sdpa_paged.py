@@ -5,6 +5,10 @@ does not run. The gathered copy is cleaned where a sequence has no keys, so garb
 unused pool slots never reaches the output; every query sees at least key 0, so no row is fully
 masked.
 
+The pools may hold fewer key/value heads than there are query heads (grouped-query attention,
+`kernels.gqa`): SDPA's `enable_gqa` then lets each KV head serve its group of query heads without
+a copy per query head.
+
 Sequences are handled in groups whose gathered keys and values fit in a few MiB, so SDPA reads the
 copy from cache rather than memory: about 2x faster than all sequences at once for 32 sequences
 (`python bench/cpu_parts.py`).
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata
 
 GROUP_BYTES = 4 << 20  # gathered K + V of one group of sequences (fits in L2/L3 caches)
@@ -47,10 +52,10 @@ class GatherPlan:
 
 
 def plan_gather(
-    meta: AttentionMetadata, block_size: int, n_head: int, head_dim: int, kv_bytes: int
+    meta: AttentionMetadata, block_size: int, n_kv_head: int, head_dim: int, kv_bytes: int
 ) -> GatherPlan:
     """The groups, copies and masks of a step over pools of `block_size`-slot blocks holding
-    `n_head` heads of `head_dim` elements of `kv_bytes` bytes each."""
+    `n_kv_head` key/value heads of `head_dim` elements of `kv_bytes` bytes each."""
     block_tables, context_lens, query_start = meta.block_tables, meta.context_lens, meta.query_start
     n_tokens = meta.num_tokens
     device = block_tables.device
@@ -77,7 +82,7 @@ def plan_gather(
     qpos = ctx[:, None] - q_lens[:, None] + qi[None, :]  # (B, Lq) absolute positions
     allowed = (kpos[None, None, :] <= qpos[:, :, None]) & key_valid[:, None, :]  # (B, Lq, Lk)
 
-    per_seq = 2 * n_keys * n_head * head_dim * kv_bytes
+    per_seq = 2 * n_keys * n_kv_head * head_dim * kv_bytes
     size = max(1, GROUP_BYTES // per_seq) if device.type == "cpu" else batch  # caches are CPU's
     groups = []
     for first in range(0, batch, size):
@@ -105,14 +110,15 @@ def _attend_group(
     n_keys: int,
     sm_scale: float | None,
 ) -> torch.Tensor:
-    """The group's queries: (G, H, D) for decode, else (its packed tokens, H, D)."""
-    n_head, head_dim = q.shape[1:]
-    kv_shape = (group.last - group.first, n_keys, n_head, head_dim)
+    """The group's queries: (G, H, D) for decode, else (its packed tokens, H, D), against pools
+    of H_kv heads."""
+    n_head, (n_kv_head, head_dim) = q.shape[1], k_cache.shape[2:]
+    kv_shape = (group.last - group.first, n_keys, n_kv_head, head_dim)
     keys = k_cache.index_select(0, group.blocks).view(kv_shape)  # (G, Lk, H, D)
     values = v_cache.index_select(0, group.blocks).view(kv_shape)
     if group.stale is not None:  # masked scores still meet these values: 0 * NaN would be NaN
-        keys.view(-1, n_head, head_dim)[group.stale] = 0
-        values.view(-1, n_head, head_dim)[group.stale] = 0
+        keys.view(-1, n_kv_head, head_dim)[group.stale] = 0
+        values.view(-1, n_kv_head, head_dim)[group.stale] = 0
     if group.q_index is None:
         q_pad = q[group.first : group.last, None]  # (G, 1, H, D)
     else:
@@ -123,6 +129,7 @@ def _attend_group(
         values.transpose(1, 2),
         attn_mask=group.mask,
         scale=sm_scale,
+        enable_gqa=n_kv_head != n_head,  # query head h reads KV head h // (H // H_kv)
     ).transpose(1, 2)  # (G, Lq, H, D)
     if group.out_rows is None:
         return out[:, 0]
@@ -133,14 +140,15 @@ def paged_attention_sdpa(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None, plan: GatherPlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """(N, H, D) new tokens against paged K/V; returns (N, H, D).
+    """(N, H, D) new tokens against paged K/V of H_kv heads (H a multiple); returns (N, H, D).
 
     `plan` is the step's `plan_gather(meta, ...)`, which every layer shares; without it, one is
     built for this call.
     """
+    kv_group(q.shape[1], k_cache.shape[2])  # a clear error for heads that do not divide
     if plan is None:
-        block_size, n_head, head_dim = k_cache.shape[1:]
-        plan = plan_gather(meta, block_size, n_head, head_dim, k_cache.element_size())
+        block_size, n_kv_head, head_dim = k_cache.shape[1:]
+        plan = plan_gather(meta, block_size, n_kv_head, head_dim, k_cache.element_size())
     parts = [
         _attend_group(q, k_cache, v_cache, g, plan.keys_per_seq, sm_scale) for g in plan.groups
     ]

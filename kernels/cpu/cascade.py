@@ -17,6 +17,11 @@ in no group attend to their whole context in one SDPA call. A step's `CascadePla
 (`plan_cascade`) plans nothing more: the backend then keeps the batched gather + SDPA path
 (`kernels.sdpa_paged`).
 
+The pools may hold fewer key/value heads than the queries have heads (grouped-query attention,
+`kernels.gqa`): the G query heads that read one KV head are folded into the rows of its products,
+(G * L, D) x (D, Lk), so keys are gathered and read once per KV head. With G = 1 the fold is a
+view and the products are those of plain multi-head attention.
+
 Pools are head-major, as the CPU backend lays them out (`kernels.cpu.decode.is_head_major`). The
 arithmetic is float32 whatever the pools hold. Slots past a sequence's end in its last block may
 hold anything (even NaN): their scores are masked and the gathered copies of their keys and
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.products import onednn_products, product_nt
+from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata
 
 SCORE_BYTES = 16 << 20  # float32 scores held at once: longer query runs are taken in slices
@@ -145,7 +151,8 @@ def plan_cascade(meta: AttentionMetadata, bs: int) -> CascadePlan:
 
 
 def _gather(tiles: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """(NB, H, bs, D) head-major tiles -> (H, len(blocks) * bs, D) float32, in table order."""
+    """(NB, H_kv, bs, D) head-major tiles -> (H_kv, len(blocks) * bs, D) float32, in table
+    order."""
     picked = tiles.index_select(0, blocks)  # (nb, H, bs, D)
     return picked.transpose(0, 1).reshape(tiles.shape[1], -1, tiles.shape[3]).float()
 
@@ -162,63 +169,74 @@ def _softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _partial(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled queries (H, L, D) against keys and values (H, Lk, D): the attention output over
-    these keys alone (H, L, D) and each row's log-sum-exp of scores (H, L, 1)."""
-    n_head, n_q = q.shape[:2]
-    step = max(1, SCORE_BYTES // (4 * n_head * k.shape[1]))
+    """Scaled queries (H_kv, G, L, D), G query heads per KV head, against keys and values
+    (H_kv, Lk, D): the attention output over these keys alone (H_kv, G, L, D) and each row's
+    log-sum-exp of scores (H_kv, G, L, 1). `masked` (L, Lk) is the same for every head."""
+    n_kv, group, n_q, head_dim = q.shape
+    n_keys = k.shape[1]
+    step = max(1, SCORE_BYTES // (4 * n_kv * group * n_keys))
     outs, lses = [], []
     for i in range(0, n_q, step):
-        scores = torch.matmul(q[:, i : i + step], k.transpose(1, 2))  # (H, l, Lk)
+        rows = q[:, :, i : i + step]  # (H_kv, G, l, D): one product's rows per KV head
+        scores = torch.matmul(rows.reshape(n_kv, -1, head_dim), k.transpose(1, 2))
+        scores = scores.view(rows.shape[:3] + (n_keys,))  # (H_kv, G, l, Lk)
         if masked is not None:
             scores.masked_fill_(masked[i : i + step], float("-inf"))
         probs, lse = _softmax_lse(scores)
-        outs.append(torch.matmul(probs, v))
+        out = torch.matmul(probs.view(n_kv, -1, n_keys), v)  # (H_kv, G * l, D)
+        outs.append(out.view(rows.shape))
         lses.append(lse)
     if len(outs) == 1:
         return outs[0], lses[0]
-    return torch.cat(outs, 1), torch.cat(lses, 1)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
 def _partial_unmasked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_partial` without a mask, a head at a time, through oneDNN's products where it runs
-    (about twice MKL's rate on the development box for these shapes)."""
+    """`_partial` without a mask, a KV head at a time, through oneDNN's products where it runs
+    (about twice MKL's rate on the development box for these shapes). The G query heads of a
+    KV head are rows of its products: its G * L rows of `q` are contiguous, so no copy."""
     if not onednn_products():
         return _partial(q, k, v, None)
-    n_head, n_q, head_dim = q.shape
-    out, lse = q.new_empty(n_head, n_q, head_dim), q.new_empty(n_head, n_q, 1)
+    n_kv, group, n_q, head_dim = q.shape
+    q = q.reshape(n_kv, group * n_q, head_dim)  # (H_kv, G * L, D)
+    out, lse = q.new_empty(q.shape), q.new_empty(n_kv, group * n_q, 1)
     step = max(1, SCORE_BYTES // (4 * k.shape[1]))
-    for h in range(n_head):
-        for i in range(0, n_q, step):
+    for h in range(n_kv):
+        for i in range(0, group * n_q, step):
             rows = slice(i, i + step)
             probs, lse[h, rows] = _softmax_lse(product_nt(q[h, rows], k[h]))  # (l, Lk)
             out[h, rows] = product_nt(probs, v[h].t())
-    return out, lse
+    return out.view(n_kv, group, n_q, head_dim), lse.view(n_kv, group, n_q, 1)
 
 
 def prefill_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None, plan: CascadePlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """(N, H, D) new tokens against head-major paged K/V; see `paged_attention_reference`.
+    """(N, H, D) new tokens against head-major paged K/V of H_kv heads (H a multiple); see
+    `paged_attention_reference`.
 
     `plan` is the step's `plan_cascade(meta, ...)`, which every layer shares; without it, one is
     built for this call.
     """
-    k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
-    n_head, bs, head_dim = k_tiles.shape[1:]
+    k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H_kv, bs, D)
+    n_kv, bs, head_dim = k_tiles.shape[1:]
+    n_head = q.shape[1]
+    group = kv_group(n_head, n_kv)
     scale = sm_scale if sm_scale is not None else head_dim**-0.5
     if plan is None:
         plan = plan_cascade(meta, bs)
     qh = (q.float() * scale).transpose(0, 1)  # (H, N, D)
+    q_grouped = qh.view(n_kv, group, -1, head_dim)  # (H_kv, G, N, D): head h = (h // G, h % G)
     shared = []  # per group: the output over the shared keys alone, and its log-sum-exp
-    for group in plan.groups:
+    for members in plan.groups:
         shared.append(
             _partial_unmasked(
-                qh.index_select(1, group.rows),
-                _gather(k_tiles, group.blocks),
-                _gather(v_tiles, group.blocks),
+                q_grouped.index_select(2, members.rows),
+                _gather(k_tiles, members.blocks),
+                _gather(v_tiles, members.blocks),
             )
         )
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -226,15 +244,19 @@ def prefill_attention_cpu(
         keys, values = _gather(k_tiles, seq.blocks), _gather(v_tiles, seq.blocks)
         keys[:, seq.n_keys :] = 0  # past the context: masked scores and 0 weights must
         values[:, seq.n_keys :] = 0  # not meet garbage (NaN + -inf and 0 * NaN are NaN)
-        q_seq = qh[:, seq.start : seq.stop]  # (H, L, D)
         if seq.group is None:
             part = F.scaled_dot_product_attention(
-                q_seq[None], keys[None], values[None], attn_mask=~seq.masked[None, None], scale=1.0
-            )[0]
+                qh[None, :, seq.start : seq.stop],
+                keys[None],
+                values[None],
+                attn_mask=~seq.masked[None, None],
+                scale=1.0,
+                enable_gqa=group > 1,
+            )[0]  # (H, L, D)
         else:
-            o1, lse1 = (t[:, seq.group_rows] for t in shared[seq.group])
-            o2, lse2 = _partial(q_seq, keys, values, seq.masked)
+            o1, lse1 = (t[:, :, seq.group_rows] for t in shared[seq.group])
+            o2, lse2 = _partial(q_grouped[:, :, seq.start : seq.stop], keys, values, seq.masked)
             w1 = torch.sigmoid(lse1 - lse2)  # the shared keys' share of each row's softmax
-            part = torch.lerp(o2, o1, w1)  # (H, L, D)
+            part = torch.lerp(o2, o1, w1).view(n_head, -1, head_dim)  # (H, L, D)
         out[seq.start : seq.stop] = part.transpose(0, 1)
     return out.to(q.dtype)

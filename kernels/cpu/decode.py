@@ -22,6 +22,11 @@ however many sequences hold it, never copied per holder. A decoding sequence's l
 its own (its new key was just written there; `KVCache` copies a shared block before a write):
 a batch where it is not is refused.
 
+The pools may hold fewer key/value heads than the queries have heads (grouped-query attention,
+`kernels.gqa`): the G query heads that read one KV head are the G rows of one product with its
+tile, (G, D) x (D, bs), so a tile is read once per KV head, not once per query head. With G = 1
+these are the (1, D) x (D, bs) products of plain multi-head attention, the same calls.
+
 Slots past a sequence's length in its last block may hold anything, even NaN. Their scores are
 masked; their values are set to zero in the pool, since 0 * NaN is NaN. Nothing lives there: the
 sequence writes those slots as it grows.
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata
 
 # bfloat16 and float16 tiles of up to this many elements are multiplied in float32: for a few
@@ -95,9 +101,9 @@ def _holder_rank(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return rank, distinct, counts
 
 
-def plan_decode(meta: AttentionMetadata, bs: int, n_head: int) -> DecodePlan:
+def plan_decode(meta: AttentionMetadata, bs: int, n_kv_head: int) -> DecodePlan:
     """The rows, runs, masks and stale slots of a decode step over pools of `bs`-slot blocks and
-    `n_head` key/value heads; raises ValueError for a batch this path does not cover."""
+    `n_kv_head` key/value heads; raises ValueError for a batch this path does not cover."""
     if not meta.is_decode:
         raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     block_tables = meta.block_tables
@@ -152,10 +158,10 @@ def plan_decode(meta: AttentionMetadata, bs: int, n_head: int) -> DecodePlan:
     last_slot = (ctx - 1) % bs  # (B,) slot of each sequence's newest key in its last block
     offsets = torch.arange(bs, device=device)[None, :]
     stale_at = offsets > last_slot[:, None]  # (B, bs)
-    heads = torch.arange(n_head, device=device)[None, :]
+    heads = torch.arange(n_kv_head, device=device)[None, :]
     stale = (
-        last_block[:, None].expand(-1, bs)[stale_at][:, None] * n_head + heads
-    ) * bs  # (S, H) first row of a tile
+        last_block[:, None].expand(-1, bs)[stale_at][:, None] * n_kv_head + heads
+    ) * bs  # (S, H_kv) first row of a tile
     stale = (stale + offsets.expand(batch, -1)[stale_at][:, None]).reshape(-1)
     return DecodePlan(
         run=run,
@@ -182,7 +188,8 @@ def decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None, plan: DecodePlan | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """(B, H, D) decode queries against head-major paged K/V (`is_head_major`).
+    """(B, H, D) decode queries against head-major paged K/V of H_kv heads (`is_head_major`;
+    H a multiple of H_kv).
 
     Same contract as `kernels.reference.paged_attention_reference`, for a decode step: every
     sequence has exactly one new token. `plan` is the step's `plan_decode(meta, ...)`, which
@@ -190,14 +197,16 @@ def decode_attention_cpu(
     """
     if not is_head_major(k_cache, v_cache):
         raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
-    k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H, bs, D)
+    k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H_kv, bs, D)
     out_dtype = q.dtype
-    n_head, bs, head_dim = k_tiles.shape[1:]
+    n_kv, bs, head_dim = k_tiles.shape[1:]
+    n_head = q.shape[1]
+    group = kv_group(n_head, n_kv)  # G: the query heads of one KV head are one product's rows
     if plan is None:
-        plan = plan_decode(meta, bs, n_head)
+        plan = plan_decode(meta, bs, n_kv)
     if plan.stale is not None:
         v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
-    keys, values = _read(k_tiles, v_tiles, plan.run, plan.blocks)  # (R0, H, bs, D)
+    keys, values = _read(k_tiles, v_tiles, plan.run, plan.blocks)  # (R0, H_kv, bs, D)
     if keys.dtype != torch.float32 and keys.numel() <= UPCAST_ELEMENTS:
         keys, values, q = keys.float(), values.float(), q.float()  # faster in float32 (above)
     batch, width = plan.seq_rows.shape
@@ -205,15 +214,15 @@ def decode_attention_cpu(
     q_rows = (q * scale).index_select(0, plan.row_seq)  # (R, H, D)
     n0 = plan.n_first
     scores = torch.bmm(
-        q_rows[:n0].view(n0 * n_head, 1, head_dim),
-        keys.reshape(n0 * n_head, bs, head_dim).transpose(1, 2),
-    ).view(n0, n_head, bs)
+        q_rows[:n0].view(n0 * n_kv, group, head_dim),
+        keys.reshape(n0 * n_kv, bs, head_dim).transpose(1, 2),
+    ).view(n0, n_head, bs)  # query head h = KV head h // G, row h % G of its product
     if plan.shared is not None:
         sh_keys, sh_values = _read(k_tiles, v_tiles, plan.shared.run, plan.shared.blocks)
         sh_keys, sh_values = sh_keys.to(keys.dtype), sh_values.to(keys.dtype)
-        sh_q = _slots_by_block(q_rows[n0:], plan.shared.width)  # (Rb * H, Mb, D)
+        sh_q = _slots_by_block(q_rows[n0:], plan.shared.width, n_kv)  # (Rb * H_kv, Mb * G, D)
         sh_scores = torch.bmm(sh_q, sh_keys.reshape(-1, bs, head_dim).transpose(1, 2))
-        scores = torch.cat([scores, _rows_by_slot(sh_scores, n_head)])  # (R, H, bs)
+        scores = torch.cat([scores, _rows_by_slot(sh_scores, plan.shared.width, n_head)])
     scores = scores.masked_fill_(plan.masked, float("-inf"))
     # one softmax per sequence and head over all its keys, laid out in table order
     by_seq = _by_sequence(scores, plan, float("-inf"))  # (B, nb, H, bs)
@@ -224,12 +233,12 @@ def decode_attention_cpu(
         row_probs = row_probs.index_select(0, plan.row_place)
     row_probs = row_probs.to(values.dtype)  # (R, H, bs)
     out = torch.bmm(
-        row_probs[:n0].reshape(n0 * n_head, 1, bs), values.reshape(n0 * n_head, bs, head_dim)
+        row_probs[:n0].reshape(n0 * n_kv, group, bs), values.reshape(n0 * n_kv, bs, head_dim)
     ).view(n0, n_head, head_dim)  # (R0, H, D): each block's share of its sequence's output
     if plan.shared is not None:
-        sh_probs = _slots_by_block(row_probs[n0:], plan.shared.width)  # (Rb * H, Mb, bs)
-        sh_out = torch.bmm(sh_probs, sh_values.reshape(-1, bs, head_dim))  # (Rb * H, Mb, D)
-        out = torch.cat([out, _rows_by_slot(sh_out, n_head)])  # (R, H, D)
+        sh_probs = _slots_by_block(row_probs[n0:], plan.shared.width, n_kv)  # (Rb*H_kv, Mb*G, bs)
+        sh_out = torch.bmm(sh_probs, sh_values.reshape(-1, bs, head_dim))  # (Rb*H_kv, Mb*G, D)
+        out = torch.cat([out, _rows_by_slot(sh_out, plan.shared.width, n_head)])  # (R, H, D)
     return _by_sequence(out, plan, 0.0).sum(1).to(out_dtype)  # (B, H, D), summed in table order
 
 
@@ -243,16 +252,19 @@ def _read(
     return k_tiles[blocks], v_tiles[blocks]
 
 
-def _slots_by_block(rows: torch.Tensor, slots: int) -> torch.Tensor:
-    """(Rb * Mb, H, X) rows, slot after slot within each block -> (Rb * H, Mb, X) for bmm."""
+def _slots_by_block(rows: torch.Tensor, slots: int, n_kv: int) -> torch.Tensor:
+    """(Rb * Mb, H, X) rows, slot after slot within each block -> (Rb * H_kv, Mb * G, X) for
+    bmm: the rows that read one KV head of one block, slot by slot, the G heads of a slot."""
     n_head, x = rows.shape[1:]
-    return rows.view(-1, slots, n_head, x).transpose(1, 2).reshape(-1, slots, x)
+    grouped = rows.view(-1, slots, n_kv, n_head // n_kv, x)  # (Rb, Mb, H_kv, G, X)
+    return grouped.transpose(1, 2).reshape(-1, slots * (n_head // n_kv), x)
 
 
-def _rows_by_slot(out: torch.Tensor, n_head: int) -> torch.Tensor:
-    """(Rb * H, Mb, X) -> (Rb * Mb, H, X): the inverse of `_slots_by_block`."""
-    slots, x = out.shape[1:]
-    return out.view(-1, n_head, slots, x).transpose(1, 2).reshape(-1, n_head, x)
+def _rows_by_slot(out: torch.Tensor, slots: int, n_head: int) -> torch.Tensor:
+    """(Rb * H_kv, Mb * G, X) -> (Rb * Mb, H, X): the inverse of `_slots_by_block`."""
+    group, x = out.shape[1] // slots, out.shape[2]
+    grouped = out.view(-1, n_head // group, slots, group, x)  # (Rb, H_kv, Mb, G, X)
+    return grouped.transpose(1, 2).reshape(-1, n_head, x)
 
 
 def _by_sequence(rows: torch.Tensor, plan: DecodePlan, pad: float) -> torch.Tensor:

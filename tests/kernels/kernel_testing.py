@@ -25,9 +25,11 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def paged_batch(
     ctx_lens, q_lens, page_size, n_head, head_dim, dtype, device, seed=0, spare=3,
-    head_major=False,
+    head_major=False, n_kv_head=None,
 ):  # fmt: skip
     """(q (N, H, D), k_cache, v_cache, AttentionMetadata) for sequences in shuffled pool blocks.
+
+    The pools hold `n_kv_head` heads (grouped-query attention), n_head unless given.
 
     The pools are full of NaN except the slots the sequences own. Tables are padded with block 0,
     which nobody owns: a kernel that reads past a context, or through a padding entry, without
@@ -40,7 +42,8 @@ def paged_batch(
     num_blocks = sum(pages) + spare
     order = list(range(1, num_blocks))  # block 0 stays garbage and pads the tables
     random.Random(seed).shuffle(order)
-    shape = (num_blocks, page_size, n_head, head_dim)
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    shape = (num_blocks, page_size, n_kv_head, head_dim)
     k_cache = torch.full(shape, float("nan"))
     v_cache = torch.full(shape, float("nan"))
     tables = []
@@ -48,10 +51,10 @@ def paged_batch(
         blocks, order = order[:n_pages], order[n_pages:]
         for pos in range(n):
             k_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
-                n_head, head_dim, generator=gen
+                n_kv_head, head_dim, generator=gen
             )
             v_cache[blocks[pos // page_size], pos % page_size] = torch.randn(
-                n_head, head_dim, generator=gen
+                n_kv_head, head_dim, generator=gen
             )
         tables.append(blocks)
     width = max(len(t) for t in tables) + 1  # wider than needed, padded with block 0
