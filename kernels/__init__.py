@@ -20,6 +20,7 @@ from kernels.backends import (
     TritonBackend,
     select_attention_backend,
 )
+from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata, AttentionPlan
 from kernels.reference import attention_reference, paged_attention_reference
 from kernels.triton import available as triton_available
@@ -43,9 +44,12 @@ def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     sm_scale: float | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Fused attention over (B, H, T, D) tensors, differentiable; like F.scaled_dot_product_attention."""
+    """Fused attention of q (B, H, T, D) over k, v (B, H_kv, T, D), differentiable; like
+    F.scaled_dot_product_attention. H_kv may be fewer than H (grouped-query attention, SDPA's
+    `enable_gqa`): H must be a multiple of it, and query head h reads KV head h // (H // H_kv)."""
+    gqa = kv_group(q.shape[-3], k.shape[-3]) > 1
     if q.is_cuda and triton_available():
         from kernels.triton.flash import triton_flash_attention
 
-        return triton_flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+        return triton_flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=gqa)

@@ -1,15 +1,18 @@
 """Fused attention in Triton: forward with an online softmax, backward for dQ, dK and dV.
 
-Layout: q (B, H, Tq, D), k and v (B, H, Tk, D), any strides (the model hands in transposed
-views). One program owns BLOCK_M queries of one (batch, head) and walks over key blocks with the
-online softmax of `kernels.triton.softmax`. The causal mask is bottom-right aligned (query i sees keys
+Layout: q (B, H, Tq, D), k and v (B, H_kv, Tk, D), any strides (the model hands in transposed
+views). H is a multiple of H_kv: with grouped-query attention (`kernels.gqa`) query head h reads
+key/value head h // GROUP, a compile-time constant (group 1 compiles to plain multi-head
+attention). One program owns BLOCK_M queries of one (batch, head) and walks over key blocks with
+the online softmax of `kernels.triton.softmax`. The causal mask is bottom-right aligned (query i sees keys
 0 .. i + Tk - Tq). Each loop over tiles runs in two passes: tiles wholly below the diagonal with
 no mask, and the tiles that touch it with one; tiles wholly above it are never visited.
 
 The forward stores the log-sum-exp of every row (base 2, scores pre-multiplied by log2(e)) so the
 backward can rebuild the probabilities without a second softmax pass:
   preprocess: delta = rowsum(dO * O)
-  dK, dV:     one program per key block, looping over the query blocks that can see it
+  dK, dV:     one program per key block of a KV head, looping over the query blocks that can
+              see it, of each of the GROUP query heads that read it (their sum, no atomics)
   dQ:         one program per query block, looping over the key blocks it sees
 The last two are one kernel launched twice (DQ_PASS). Separate dQ programs instead of atomics:
 deterministic, and no fp32 dQ scratch buffer, at the price of computing Q K^T twice.
@@ -82,10 +85,11 @@ def _flash_fwd_kernel(
     stride_ob, stride_oh, stride_ot, stride_od,
     H, TQ, TK, qk_scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     start_m = _query_block(CAUSAL, BLOCK_M)
     bh, b, h = _program_head(H)
+    kv_h = h // GROUP  # the key/value head this query head reads
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM  # no mask along the head dim
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)
@@ -96,8 +100,8 @@ def _flash_fwd_kernel(
     Q += b * stride_qb + h * stride_qh
     q = tl.load(_tile(Q, offs_m, offs_d, stride_qt, stride_qd), mask=q_mask, other=0.0)
     # key block 0, transposed (BLOCK_D, BLOCK_N), and value block 0 (BLOCK_N, BLOCK_D)
-    kt_ptrs = _tile(K + b * stride_kb + h * stride_kh, offs_d, offs_n, stride_kd, stride_kt)
-    v_ptrs = _tile(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vt, stride_vd)
+    kt_ptrs = _tile(K + b * stride_kb + kv_h * stride_kh, offs_d, offs_n, stride_kd, stride_kt)
+    v_ptrs = _tile(V + b * stride_vb + kv_h * stride_vh, offs_n, offs_d, stride_vt, stride_vd)
     q_pos = offs_m + TK - TQ  # (BLOCK_M,) key position of each query (bottom-right aligned)
     n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N)
 
@@ -155,22 +159,23 @@ def _flash_bwd_kernel(
     stride_db, stride_dh, stride_dt, stride_dd,
     H, TQ, TK, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, DQ_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, DQ_PASS: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query block (DQ_PASS, grid axis 1 over query blocks) or dK and dV of one key
-    block (grid axis 1 over key blocks). dQ, dK and dV are contiguous (B, H, T, D)."""
-    bh, b, h = _program_head(H)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_db + h * stride_dh
-    LSE += bh * TQ
-    DELTA += bh * TQ
+    """dQ of one query block of one query head (DQ_PASS, grid axis 0 over batch * H, axis 1 over
+    query blocks) or dK and dV of one key block of one KV head (axis 0 over batch * H // GROUP,
+    axis 1 over key blocks), summed over the GROUP query heads that read it. dQ (B, H, TQ, D),
+    dK and dV (B, H // GROUP, TK, D) are contiguous; LSE and DELTA are (B * H, TQ)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     shift = TK - TQ  # bottom-right alignment: query row i sits at key position i + shift
 
     if DQ_PASS:
+        bh, b, h = _program_head(H)
+        kv_h = h // GROUP
+        Q += b * stride_qb + h * stride_qh
+        DO += b * stride_db + h * stride_dh
+        K += b * stride_kb + kv_h * stride_kh
+        V += b * stride_vb + kv_h * stride_vh
         start_m = _query_block(CAUSAL, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) this program's queries
         offs_n = tl.arange(0, BLOCK_N)
@@ -178,8 +183,8 @@ def _flash_bwd_kernel(
         qd_mask = m_ok[:, None] & d_ok[None, :]
         q = tl.load(_tile(Q, offs_m, offs_d, stride_qt, stride_qd), mask=qd_mask, other=0.0)
         do = tl.load(_tile(DO, offs_m, offs_d, stride_dt, stride_dd), mask=qd_mask, other=0.0)
-        lse = tl.load(LSE + offs_m, mask=m_ok, other=0.0)  # (BLOCK_M,)
-        delta = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+        lse = tl.load(LSE + bh * TQ + offs_m, mask=m_ok, other=0.0)  # (BLOCK_M,)
+        delta = tl.load(DELTA + bh * TQ + offs_m, mask=m_ok, other=0.0)
         # key and value block 0, both transposed: (BLOCK_D, BLOCK_N)
         kt_ptrs = _tile(K, offs_d, offs_n, stride_kd, stride_kt)
         vt_ptrs = _tile(V, offs_d, offs_n, stride_vd, stride_vt)
@@ -207,15 +212,15 @@ def _flash_bwd_kernel(
         dq_ptrs = _tile(DQ + bh * TQ * HEAD_DIM, offs_m, offs_d, HEAD_DIM, 1)
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=qd_mask)
     else:
+        bkv, b, kv_h = _program_head(H // GROUP)
+        K += b * stride_kb + kv_h * stride_kh
+        V += b * stride_vb + kv_h * stride_vh
         start_n = tl.program_id(1) * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) this program's keys
         offs_m = tl.arange(0, BLOCK_M)
         kv_mask = (offs_n < TK)[:, None] & d_ok[None, :]
         k = tl.load(_tile(K, offs_n, offs_d, stride_kt, stride_kd), mask=kv_mask, other=0.0)
         v = tl.load(_tile(V, offs_n, offs_d, stride_vt, stride_vd), mask=kv_mask, other=0.0)
-        # query block 0 of Q and dO: (BLOCK_M, BLOCK_D)
-        q_ptrs = _tile(Q, offs_m, offs_d, stride_qt, stride_qd)
-        do_ptrs = _tile(DO, offs_m, offs_d, stride_dt, stride_dd)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         # causal: query blocks before `lo` see none of these keys, those in [lo, mid) some of
@@ -225,26 +230,33 @@ def _flash_bwd_kernel(
         lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
         mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
         mid = mid if CAUSAL else 0
-        for MASKED in tl.static_range(CAUSAL, -1, -1):  # causal: 1 then 0; otherwise 0 alone
-            first, last = (lo, tl.minimum(mid, TQ)) if MASKED else (mid, TQ)
-            for start_m in range(first, last, BLOCK_M):
-                rows = start_m + offs_m  # (BLOCK_M,)
-                m_ok = rows < TQ
-                qd_mask = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_ptrs + start_m * stride_qt, mask=qd_mask, other=0.0)
-                do = tl.load(do_ptrs + start_m * stride_dt, mask=qd_mask, other=0.0)
-                lse = tl.load(LSE + rows, mask=m_ok, other=0.0)  # (BLOCK_M,)
-                delta = tl.load(DELTA + rows, mask=m_ok, other=0.0)
-                st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M) tile
-                pt = tl.exp2(st - lse[None, :])  # P^T (BLOCK_N, BLOCK_M)
-                if MASKED:
-                    pt = tl.where(offs_n[:, None] <= rows[None, :] + shift, pt, 0.0)
-                dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
-                dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
-                dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+        for j in range(GROUP):  # the query heads that read this KV head add up in dk, dv
+            h = kv_h * GROUP + j
+            bh = b * H + h
+            q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_db + h * stride_dh
+            # query block 0 of this head's Q and dO: (BLOCK_M, BLOCK_D)
+            q_ptrs = _tile(q_head, offs_m, offs_d, stride_qt, stride_qd)
+            do_ptrs = _tile(do_head, offs_m, offs_d, stride_dt, stride_dd)
+            for MASKED in tl.static_range(CAUSAL, -1, -1):  # causal: 1 then 0; otherwise 0 alone
+                first, last = (lo, tl.minimum(mid, TQ)) if MASKED else (mid, TQ)
+                for start_m in range(first, last, BLOCK_M):
+                    rows = start_m + offs_m  # (BLOCK_M,)
+                    m_ok = rows < TQ
+                    qd_mask = m_ok[:, None] & d_ok[None, :]
+                    q = tl.load(q_ptrs + start_m * stride_qt, mask=qd_mask, other=0.0)
+                    do = tl.load(do_ptrs + start_m * stride_dt, mask=qd_mask, other=0.0)
+                    lse = tl.load(LSE + bh * TQ + rows, mask=m_ok, other=0.0)  # (BLOCK_M,)
+                    delta = tl.load(DELTA + bh * TQ + rows, mask=m_ok, other=0.0)
+                    st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
+                    pt = tl.exp2(st - lse[None, :])  # P^T (BLOCK_N, BLOCK_M)
+                    if MASKED:
+                        pt = tl.where(offs_n[:, None] <= rows[None, :] + shift, pt, 0.0)
+                    dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+                    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+                    dst = pt * (dpt - delta[None, :])
+                    dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
         dk *= sm_scale
-        dkv_offsets = _tile(bh * TK * HEAD_DIM, offs_n, offs_d, HEAD_DIM, 1)  # (BLOCK_N, BLOCK_D)
+        dkv_offsets = _tile(bkv * TK * HEAD_DIM, offs_n, offs_d, HEAD_DIM, 1)  # (BLOCK_N, BLOCK_D)
         tl.store(DK + dkv_offsets, dk.to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + dkv_offsets, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -270,8 +282,9 @@ def _bwd_config(head_dim: int, dtype: torch.dtype) -> Config:
 
 
 def _launch_options(
-    q: torch.Tensor, causal: bool, config: Callable[[int, torch.dtype], Config], blocks
-) -> dict:
+    q: torch.Tensor, k: torch.Tensor, causal: bool, config: Callable[[int, torch.dtype], Config],
+    blocks: tuple[int, int] | None,
+) -> dict:  # fmt: skip
     """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
     head_dim = q.shape[3]
     block_m, block_n, warps, stages = config(head_dim, q.dtype)
@@ -280,7 +293,7 @@ def _launch_options(
     return dict(
         CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PREC=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        GROUP=q.shape[1] // k.shape[1], num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
 
@@ -289,7 +302,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, sm_scale, blocks):  # noqa: ANN001 - autograd signature
         B, H, TQ, D = q.shape
         TK = k.shape[2]
-        opts = _launch_options(q, causal, _fwd_config, blocks)
+        opts = _launch_options(q, k, causal, _fwd_config, blocks)
         o = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)  # contiguous
         lse = torch.empty((B * H, TQ), device=q.device, dtype=torch.float32)  # base-2 LSE
         grid = (B * H, triton.cdiv(TQ, opts["BLOCK_M"]))  # heads on axis 0: no 65535 limit
@@ -307,8 +320,8 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):  # noqa: ANN001 - autograd signature
         q, k, v, o, lse = ctx.saved_tensors
         B, H, TQ, D = q.shape
-        TK = k.shape[2]
-        opts = _launch_options(q, ctx.causal, _bwd_config, ctx.blocks)
+        H_KV, TK = k.shape[1:3]
+        opts = _launch_options(q, k, ctx.causal, _bwd_config, ctx.blocks)
         block_m, block_n = opts["BLOCK_M"], opts["BLOCK_N"]
         delta = torch.empty_like(lse)  # (B * H, TQ) fp32
         _bwd_preprocess_kernel[(B * H, triton.cdiv(TQ, block_m))](
@@ -316,20 +329,24 @@ class _FlashAttention(torch.autograd.Function):
             HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=opts["BLOCK_D"],
         )  # fmt: skip
         dq = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)
-        dk = torch.empty((B, H, TK, D), device=k.device, dtype=k.dtype)
-        dv = torch.empty((B, H, TK, D), device=v.device, dtype=v.dtype)
+        dk = torch.empty((B, H_KV, TK, D), device=k.device, dtype=k.dtype)
+        dv = torch.empty((B, H_KV, TK, D), device=v.device, dtype=v.dtype)
         args = (q, k, v, do, dq, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride())
         args += (*do.stride(), H, TQ, TK, ctx.sm_scale, ctx.sm_scale * LOG2E)
-        _flash_bwd_kernel[(B * H, triton.cdiv(TK, block_n))](*args, DQ_PASS=False, **opts)
+        # dK, dV: a program per key block of each KV head, summing its group's query heads
+        _flash_bwd_kernel[(B * H_KV, triton.cdiv(TK, block_n))](*args, DQ_PASS=False, **opts)
         _flash_bwd_kernel[(B * H, triton.cdiv(TQ, block_m))](*args, DQ_PASS=True, **opts)
         return dq, dk, dv, None, None, None
 
 
 def triton_flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-    sm_scale: float | None = None, *, blocks: tuple[int, int] | None = None,
+    sm_scale: float | None = None, *, enable_gqa: bool = False,
+    blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """softmax(q k^T * sm_scale) v with q (B, H, Tq, D), k and v (B, H, Tk, D); differentiable.
+    """softmax(q k^T * sm_scale) v with q (B, H, Tq, D), k and v (B, H_kv, Tk, D);
+    differentiable. H_kv is H unless `enable_gqa` (as in F.scaled_dot_product_attention): then H
+    is a multiple of H_kv and query head h reads KV head h // (H // H_kv).
 
     Causal masks are bottom-right aligned (the same as the reference when Tq != Tk). Head dims up
     to 256, any lengths, fp16/bf16/fp32 (fp32 math inside). `blocks=(BLOCK_M, BLOCK_N)` overrides
@@ -337,7 +354,10 @@ def triton_flash_attention(
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, H, T, D)")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    heads_ok = (
+        q.shape[1] % k.shape[1] == 0 if enable_gqa and k.shape[1] else q.shape[1] == k.shape[1]
+    )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or not heads_ok:
         raise ValueError(
             f"incompatible shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}"
         )

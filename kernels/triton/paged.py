@@ -1,7 +1,9 @@
 """Paged attention in Triton: new tokens against keys and values read through block tables.
 
 Contract: `kernels.reference.paged_attention_reference` (packed queries (N, H, D), pools
-(num_blocks, block_size, H, D), the step's `AttentionMetadata`; bottom-right causal).
+(num_blocks, block_size, H_kv, D), the step's `AttentionMetadata`; bottom-right causal).
+With grouped-query attention (H_kv < H, `kernels.gqa`) the program of query head h reads KV head
+h // GROUP; GROUP is a compile-time constant, so group 1 compiles to the plain kernel.
 
 One program owns BLOCK_M new tokens of one sequence, one head and one split of the context. It
 walks its keys BLOCK_N at a time; each key's pool block comes from the block table, so a tile may
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata
 from kernels.triton.softmax import (
     LOG2E,
@@ -44,10 +47,11 @@ def _paged_attn_kernel(
     stride_ls, stride_ln, stride_lh,
     qk_scale, page_size, split_size, n_qblocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, WRITE_LSE: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)  # the query head
+    kv_h = h // GROUP  # the key/value head it reads
     split = tl.program_id(2)
     seq = pid // n_qblocks
     m0 = (pid % n_qblocks) * BLOCK_M  # first query row of this program within the sequence
@@ -80,8 +84,8 @@ def _paged_attn_kernel(
         k_ok = kpos < hi
         block = tl.load(table + kpos // page_size, mask=k_ok, other=0).to(tl.int64)
         slot = (kpos % page_size).to(tl.int64)
-        k_row = block * stride_kb + slot * stride_ks + h * stride_kh  # (BLOCK_N,)
-        v_row = block * stride_vb + slot * stride_vs + h * stride_vh
+        k_row = block * stride_kb + slot * stride_ks + kv_h * stride_kh  # (BLOCK_N,)
+        v_row = block * stride_vb + slot * stride_vs + kv_h * stride_vh
         # masked loads read 0: pool slots past the context may hold garbage (even NaN)
         kt_ptrs = KC + k_row[None, :] + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
         kt = tl.load(kt_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
@@ -171,15 +175,19 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """Paged attention, same contract as `paged_attention_reference`; returns (N, H, D).
 
+    The pools may hold fewer heads than q (H a multiple of their H_kv): query head h reads KV
+    head h // (H // H_kv).
+
     Reads meta.block_tables, meta.context_lens and meta.query_start on the device and
     meta.max_query_len on the host, so nothing is read back. Every sequence must have at least one
     new token. split_size (keys per split, rounded up to a multiple of block_n) overrides the
     split-K heuristic.
     """
     n_tokens, n_head, head_dim = q.shape
-    page_size = k_cache.shape[1]
-    if k_cache.shape[2:] != (n_head, head_dim) or v_cache.shape != k_cache.shape:
+    page_size, n_kv_head = k_cache.shape[1:3]
+    if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"pools {tuple(k_cache.shape)} do not match queries {tuple(q.shape)}")
+    group = kv_group(n_head, n_kv_head)
     if head_dim > 256:
         raise ValueError(f"head dim {head_dim} > 256 is not supported")
     out = torch.empty((n_tokens, n_head, head_dim), device=q.device, dtype=q.dtype)
@@ -212,7 +220,7 @@ def triton_paged_attention(
         *part_strides, *lse_strides,
         scale * LOG2E, page_size, split_size, n_qblocks,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PREC=dot_precision(q.dtype), WRITE_LSE=splits > 1,
+        DOT_PREC=dot_precision(q.dtype), WRITE_LSE=splits > 1, GROUP=group,
         num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )  # fmt: skip
     if splits > 1:

@@ -4,7 +4,7 @@ The interpreter runs the kernels' Python, not Triton's compiler: an API the comp
 non-constexpr global or a tile that overflows shared memory only shows up here. Run as a script
 with TRITON_INTERPRET unset; it prints one `ok` line per variant and asserts that each kernel's
 shared memory fits sm_90. `--quick` compiles four variants that between them reach every kernel,
-every code path and bf16 (test_compile.py runs that: each kernel takes seconds of LLVM and ptxas
+every code path, bf16, and each kernel with and without grouped-query attention (GROUP 1 and 4) (test_compile.py runs that: each kernel takes seconds of LLVM and ptxas
 time on a small CPU); the full sweep takes many minutes on 2 cores.
 
 Each variant runs the host wrappers (`triton_flash_attention` forward and backward,
@@ -111,64 +111,77 @@ def compile_all(launches: list[Launch]) -> str:
     return " ".join(f"{short}={compile_launch(k, short, a, kw)}" for k, short, a, kw in launches)
 
 
-def qkv_views(rows: tuple[int, ...], n_head: int, head_dim: int, dtype: torch.dtype):
-    """q, k, v (*rows, H, D) as the model makes them: views of one (*rows, 3 * H * D) tensor."""
-    c = n_head * head_dim
-    qkv = torch.randn(*rows, 3 * c, dtype=dtype)
-    return (t.unflatten(-1, (n_head, head_dim)) for t in qkv.split(c, dim=-1))
+def qkv_views(
+    rows: tuple[int, ...], n_head: int, head_dim: int, dtype: torch.dtype, group: int = 1
+):  # fmt: skip
+    """q (*rows, H, D), k and v (*rows, H // group, D) as the model makes them: views of one
+    (*rows, (H + 2 * H // group) * D) tensor."""
+    q_width, kv_width = n_head * head_dim, n_head // group * head_dim
+    qkv = torch.randn(*rows, q_width + 2 * kv_width, dtype=dtype)
+    q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
+    return q.unflatten(-1, (n_head, head_dim)), *(
+        t.unflatten(-1, (n_head // group, head_dim)) for t in (k, v)
+    )
 
 
-def flash_variant(dt: str, head_dim: int, causal: bool) -> str:
-    """Forward and backward of a training step: B=2, T=128, H * D = 4 * D."""
+def flash_variant(dt: str, head_dim: int, causal: bool, group: int) -> str:
+    """Forward and backward of a training step: B=2, T=128, H * D = 4 * D, H // group KV
+    heads."""
     B, T, H = 2, 128, 4
     q, k, v = (
-        t.transpose(1, 2).requires_grad_()  # (B, H, T, D), strided like the model's
-        for t in qkv_views((B, T), H, head_dim, DTYPES[dt])
+        t.transpose(1, 2).requires_grad_()  # (B, heads, T, D), strided like the model's
+        for t in qkv_views((B, T), H, head_dim, DTYPES[dt], group)
     )
     with recording() as launches:
-        y = flash.triton_flash_attention(q, k, v, causal=causal)  # (B, H, T, D)
+        y = flash.triton_flash_attention(q, k, v, causal=causal, enable_gqa=group > 1)
         y = y.transpose(1, 2).reshape(B, T, H * head_dim)  # what the model's c_proj reads
         y.backward(torch.randn_like(y))
-    return f"ok flash {dt} D={head_dim} causal={causal} shared {compile_all(launches)}"
+    shared = compile_all(launches)
+    return f"ok flash {dt} D={head_dim} causal={causal} GROUP={group} shared {shared}"
 
 
-def paged_variant(dt: str, head_dim: int, query_lens: list[int], split: bool) -> str:
-    """One step over a head-major pool of 16-token pages; split=True cuts contexts into 64 keys."""
+def paged_variant(dt: str, head_dim: int, query_lens: list[int], split: bool, group: int) -> str:
+    """One step over a head-major pool of 16-token pages holding H // group KV heads;
+    split=True cuts contexts into 64 keys."""
     H, page = 4, 16
     context_lens = [200 + n for n in query_lens]
     width = -(-max(context_lens) // page)
     tables = [list(range(1 + i * width, 1 + (i + 1) * width)) for i in range(len(query_lens))]
     meta = AttentionMetadata.build(tables, context_lens, query_lens, page, "cpu")
-    q, _, _ = qkv_views((meta.num_tokens,), H, head_dim, DTYPES[dt])  # (N, H, D)
+    q, _, _ = qkv_views((meta.num_tokens,), H, head_dim, DTYPES[dt], group)  # (N, H, D)
     pools = [
-        torch.zeros(1 + len(tables) * width, H, page, head_dim, dtype=DTYPES[dt]).transpose(1, 2)
+        torch.zeros(
+            1 + len(tables) * width, H // group, page, head_dim, dtype=DTYPES[dt]
+        ).transpose(1, 2)
         for _ in "kv"
-    ]  # (blocks, page, H, D), each (block, head) one contiguous tile
+    ]  # (blocks, page, H // group, D), each (block, head) one contiguous tile
     with recording() as launches:
         paged.triton_paged_attention(q, *pools, meta, split_size=64 if split else None)
     block_m = launches[0][3]["BLOCK_M"]
+    shared = compile_all(launches)
     return (
-        f"ok paged {dt} D={head_dim} BLOCK_M={block_m} split={split} shared {compile_all(launches)}"
+        f"ok paged {dt} D={head_dim} BLOCK_M={block_m} split={split} GROUP={group} shared {shared}"
     )
 
 
 def main(quick: bool) -> None:
     decode, prefill = [1, 1, 1, 1], [1, 100, 37]  # BLOCK_M 16; BLOCK_M 64 (the largest)
-    if quick:
-        flash_variants = [("bf16", 80, True), ("fp32", 256, False)]
-        paged_variants = [("bf16", 64, prefill, True), ("fp32", 80, decode, False)]
+    if quick:  # each kernel with GROUP 1 once and GROUP 4 (grouped-query attention) once
+        flash_variants = [("bf16", 80, True, 4), ("fp32", 256, False, 1)]
+        paged_variants = [("bf16", 64, prefill, True, 1), ("fp32", 80, decode, False, 4)]
     else:
         flash_variants = [
-            (dt, d, c) for dt in DTYPES for d in (64, 80, 128, 256) for c in (True, False)
-        ]
-        paged_variants = [
-            (dt, d, q, s) for dt in DTYPES for d in (64, 80, 128, 256) for q in (decode, prefill)
-            for s in (False, True)
+            (dt, d, c, g) for dt in DTYPES for d in (64, 80, 128, 256) for c in (True, False)
+            for g in (1, 4)
         ]  # fmt: skip
-    for dt, head_dim, causal in flash_variants:
-        print(flash_variant(dt, head_dim, causal), flush=True)
-    for dt, head_dim, query_lens, split in paged_variants:
-        print(paged_variant(dt, head_dim, query_lens, split), flush=True)
+        paged_variants = [
+            (dt, d, q, s, g) for dt in DTYPES for d in (64, 80, 128, 256)
+            for q in (decode, prefill) for s in (False, True) for g in (1, 4)
+        ]  # fmt: skip
+    for dt, head_dim, causal, group in flash_variants:
+        print(flash_variant(dt, head_dim, causal, group), flush=True)
+    for dt, head_dim, query_lens, split, group in paged_variants:
+        print(paged_variant(dt, head_dim, query_lens, split, group), flush=True)
 
 
 if __name__ == "__main__":
