@@ -117,6 +117,11 @@ class AsyncEngine:
         return self.engine.kv_usage
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Key and value bytes one cached token takes: layers x KV heads x head dim x dtype."""
+        return self.engine.cache.bytes_per_token
+
+    @property
     def num_requests(self) -> int:
         return len(self._streams)
 

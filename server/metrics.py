@@ -76,6 +76,7 @@ class Metrics:
         self.responses = counter(
             "gptserve_http_responses", "HTTP responses by status code.", ("status",)
         )
+        self.tool_calls = counter("gptserve_tool_calls", "Tool calls returned to clients.")
         self.running = gauge("gptserve_num_requests_running", "Sequences decoding.")
         self.waiting = gauge("gptserve_num_requests_waiting", "Sequences waiting.")
         self.kv_usage = gauge(
@@ -83,6 +84,10 @@ class Metrics:
             "Fraction of KV cache blocks held by sequences (cached prefixes nobody holds are free).",
         )
         self.failed_steps = gauge("gptserve_engine_failed_steps", "Engine steps that raised.")
+        self.kv_bytes_per_token = gauge(
+            "gptserve_kv_cache_bytes_per_token",
+            "Key and value bytes one cached token takes (layers x KV heads x head dim x dtype).",
+        )
 
     def watch(self, async_engine: AsyncEngine) -> None:
         """Read the engine's gauges at scrape time and count its steps."""
@@ -90,6 +95,7 @@ class Metrics:
         self.waiting.set_function(lambda: async_engine.num_waiting)
         self.kv_usage.set_function(lambda: async_engine.kv_usage)
         self.failed_steps.set_function(lambda: async_engine.num_failed_steps)
+        self.kv_bytes_per_token.set(async_engine.kv_bytes_per_token)  # fixed once it is built
         async_engine.on_step = self.on_step
 
     def on_step(self, stats: StepStats) -> None:

@@ -156,9 +156,9 @@ class ServerState:
             async_engine.stop()
             return
         log.info(
-            "serving %s from %s (context %d tokens, %d KV blocks of %d tokens)",
+            "serving %s from %s (context %d tokens, %d KV blocks of %d tokens, %d KV bytes a token)",
             loaded.name, loaded.path, limits.max_model_len, limits.kv_cache_blocks,
-            limits.kv_block_size,
+            limits.kv_block_size, async_engine.kv_bytes_per_token,
         )  # fmt: skip
 
     def stop(self) -> None:
