@@ -5,8 +5,9 @@
 One line: the CPU model and logical CPU count, the instruction sets that decide which kernels run
 (AVX2, FMA, AVX-512F, AVX-512 BF16, AVX-512 VNNI, AVX-VNNI, AMX; from /proc/cpuinfo's flags),
 torch's version, the kernels it dispatches to and its thread count, any environment variable
-that caps those, and the memory's read bandwidth measured with torch's threads (a float32 sum
-of a tensor far larger than any cache, best of a few).
+that caps those, the memory's read bandwidth measured with torch's threads (a float32 sum of a
+tensor far larger than any cache, best of a few), and the 1-minute load average (on a shared
+machine, how much else was running).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def host_line(bandwidth: bool = True) -> str:
         line += " (" + " ".join(caps) + ")"
     if bandwidth:
         line += f"; memory read {read_bandwidth_gbs():.1f} GB/s"
+    if hasattr(os, "getloadavg"):  # other work on the machine
+        line += f"; load average {os.getloadavg()[0]:.1f}"
     return line
 
 

@@ -28,7 +28,10 @@ memory is cleared). llama.cpp keeps its defaults otherwise (f16 KV cache, flash 
 "auto", 512-token batches, the CPU backend's weight repacking). Each round runs every
 measurement on both sides back to back, which side goes first alternating between rounds; the
 table keeps each side's best (or median) and the ratio gptserve / llama.cpp (above 1: gptserve
-is faster).
+is faster), in tokens per second and per CPU-second of this process (all its threads), which
+other processes' load on a shared machine moves much less; with more than one thread, threads
+that spin while they wait for one another count too, so `--threads 1` gives the steadiest
+figures on a busy machine.
 
 The GGUF writer (`write_gpt2_gguf`, `add_weights`, `add_gpt2_tokenizer`) and the llama.cpp
 driver (`LlamaCpp`, `time_llamacpp`) are meant for other benchmarks too.
@@ -40,6 +43,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -342,6 +346,7 @@ class Pair:
     llama: Callable[[str, list[list[int]], int], tuple[float, list[list[int]]]] | None
     sizes: tuple[int, int]  # bytes of the weights: gptserve's as served, the GGUF file
     rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (side, measure)
+    cpu_rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # per CPU-second
     tokens: dict[str, list[int]] = field(default_factory=dict)  # side -> decode x1 tokens
 
 
@@ -372,9 +377,12 @@ def measure_round(pair: Pair, first: str, work: dict[str, tuple[list[list[int]],
     for measure, (prompts, new) in work.items():
         for side in sides:
             run = pair.gptserve if side == "gptserve" else pair.llama
+            cpu = time.process_time()
             secs, out = run(measure, prompts, new)
-            done = new if measure.startswith("decode") else len(prompts[0])
-            pair.rates.setdefault((side, measure), []).append(len(prompts) * done / secs)
+            cpu = time.process_time() - cpu  # every thread of this process
+            tokens = len(prompts) * (new if measure.startswith("decode") else len(prompts[0]))
+            pair.rates.setdefault((side, measure), []).append(tokens / secs)
+            pair.cpu_rates.setdefault((side, measure), []).append(tokens / cpu)
             if measure == "decode x1":
                 pair.tokens[side] = out[0]
 
@@ -418,7 +426,7 @@ def main() -> None:
     for n in pp:  # each prompt-processing row its own random prompt
         work[f"prompt {n}"] = ([torch.randint(0, 50257, (n,), generator=gen).tolist()], 1)
     blocks = args.streams * -(-(seq_len + 16) // 16) + -(-(max(pp) + 16) // 16)
-    hf = hf_model(argparse.Namespace(n_layer=12, n_head=12, n_embd=768))
+    hf = hf_model(argparse.Namespace(arch="gpt2", n_layer=12, n_head=12, n_embd=768))
     pairs: list[Pair] = []
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
@@ -463,20 +471,27 @@ def main() -> None:
         f"{new} new tokens, greedy; {args.stat} of {args.rounds} alternating rounds; tok/s; "
         "ratio = gptserve / llama.cpp"
     )
+    print("per CPU-second: tokens / CPU time of this process (all its threads), which other "
+          "processes' load moves less than wall-clock time")  # fmt: skip
     if missing:
         print(f"llama.cpp: not installed; {INSTALL_HINT}")
     else:
         print("llama.cpp " + _llama().llama_print_system_info().decode().strip())
         print(f"llama.cpp, {args.streams} streams: llama-cpp-python's Llama runs one sequence at "
               f"a time; this drives llama_batch/llama_decode with n_seq_max={args.streams}")  # fmt: skip
-    print(f"{'llama.cpp | gptserve':26}{'':20}{'gptserve':>10}{'llama.cpp':>11}{'ratio':>8}")
+    print(f"{'':44}{'tok/s':-^27}  {'tok per CPU-second':-^27}")
+    columns = f"{'gptserve':>9}{'llama.cpp':>11}{'ratio':>7}"
+    print(f"{'llama.cpp | gptserve':24}{'':20}{columns}  {columns}")
     for pair in pairs:
         label = f"{pair.fmt} | {PAIRS[pair.fmt][2]}"
         for i, m in enumerate(work):
-            ours = pick(pair.rates[("gptserve", m)])
-            theirs = pick(pair.rates[("llama.cpp", m)]) if pair.llama else None
-            rest = f"{theirs:11.1f}{ours / theirs:8.2f}" if theirs else f"{'-':>11}{'-':>8}"
-            print(f"{label if i == 0 else '':26}{m:20}{ours:10.1f}{rest}")
+            line = f"{label if i == 0 else '':24}{m:20}"
+            for rates in (pair.rates, pair.cpu_rates):
+                ours = pick(rates[("gptserve", m)])
+                theirs = pick(rates[("llama.cpp", m)]) if pair.llama else None
+                rest = f"{theirs:11.1f}{ours / theirs:7.2f}" if theirs else f"{'-':>11}{'-':>7}"
+                line += f"{ours:9.1f}{rest}  "
+            print(line.rstrip())
     # greedy tokens of decode x1 (of `new`): the two sides alike, and each side against its own
     # f32 row (reduced precision can change them: the top two logits of random weights are close)
     f32 = next((pair for pair in pairs if pair.fmt == "f32"), None)
@@ -489,6 +504,9 @@ def main() -> None:
         if f32 is not None and pair is not f32:
             same += [str(common_prefix(pair.tokens[s], f32.tokens[s])) for s in sides]
         print(f"  {pair.fmt:6}{pair.sizes[0] / 1e6:11.0f}{gguf_mb}   {'; '.join(same)}")
+    if hasattr(os, "getloadavg"):
+        print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (1 minute), "
+              f"{os.getloadavg()[2]:.1f} (15 minutes)")  # fmt: skip
 
 
 if __name__ == "__main__":
