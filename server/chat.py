@@ -40,6 +40,7 @@ class ChatTemplate:
     prefix: str = "Assistant:"
     stop: tuple[str, ...] = field(default=("\nUser:",))
     specials_in_prompt = False  # "<|endoftext|>" in a message is text
+    knows_tools = False  # tools are described to it by server.tool_prompt
 
     def render_messages(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -139,6 +140,11 @@ class JinjaChat:
 
     def __init__(self, template: JinjaChatTemplate) -> None:
         self.template = template
+
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the template renders `tools` itself (else server.tool_prompt describes them)."""
+        return self.template.knows_tools
 
     def render_messages(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

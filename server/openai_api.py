@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +28,7 @@ from server.protocol import (
 from server.runtime import ServerState
 from server.streams import Choice, ChoiceTracker, ClientGone, RequestTimeout, merged_events
 from server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
+from server.tool_parser import ToolCallParser
 from server.validation import EngineInputs, Validator
 
 router = APIRouter()
@@ -59,6 +60,22 @@ class AcceptedRequest:
     tracker: ChoiceTracker
     timeout: float
     stream_interval: int = 1  # a choice's tokens per chunk after its first (--stream-interval)
+    tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice
+
+    def tool_parser(self, index: int) -> ToolCallParser | None:
+        """The parser of choice `index`'s tool calls, when the request has tools to call."""
+        fmt = self.inputs.tool_format
+        if fmt is None:
+            return None
+        if index not in self.tool_parsers:
+            self.tool_parsers[index] = ToolCallParser(fmt)
+        return self.tool_parsers[index]
+
+    def count_tool_calls(self, calls: list[dict]) -> None:
+        """Calls handed to the client (a streamed call counts at its first chunk)."""
+        started = sum(1 for call in calls if "id" in call)
+        if started:
+            self.tracker.metrics.tool_calls.inc(started)
 
     @property
     def prompt_tokens(self) -> int:
@@ -199,12 +216,18 @@ async def _answer(
 
 
 def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
-    text = "".join(c.text)
+    text, finish_reason = "".join(c.text), c.finish_reason
+    parser = accepted.tool_parser(c.index) if accepted.kind == "chat" else None
     if accepted.kind == "completion":
         body = {"index": c.index, "text": text}
-    else:
+    elif parser is None:
         body = {"index": c.index, "message": {"role": "assistant", "content": text}}
-    return {**body, "logprobs": accepted.logprobs(c), "finish_reason": c.finish_reason}
+    else:
+        message = parser.parse_all(text)
+        accepted.count_tool_calls(message.get("tool_calls", []))
+        body = {"index": c.index, "message": message}
+        finish_reason = parser.finish_reason(finish_reason)
+    return {**body, "logprobs": accepted.logprobs(c), "finish_reason": finish_reason}
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
@@ -265,12 +288,20 @@ def _delta(
     new_lps = lps and lps["tokens" if accepted.kind == "completion" else "content"]
     if not text and event.finish_reason is None and not new_lps:
         return None
+    finish_reason = event.finish_reason
+    parser = accepted.tool_parser(choice.index) if accepted.kind == "chat" else None
     if accepted.kind == "completion":
         body: dict = {"index": choice.index, "text": text}
-    else:
+    elif parser is None:
         delta = {"content": text} if text or event.finish_reason is None else {}
         body = {"index": choice.index, "delta": delta}
-    return {**body, "logprobs": lps, "finish_reason": event.finish_reason}
+    else:  # tool calls: the text is read into content and calls, some of it held back
+        delta, finish_reason = parser.stream_delta(text, event.finish_reason)
+        if not delta and finish_reason is None and not new_lps:
+            return None
+        accepted.count_tool_calls(delta.get("tool_calls", []))
+        body = {"index": choice.index, "delta": delta}
+    return {**body, "logprobs": lps, "finish_reason": finish_reason}
 
 
 async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:

@@ -146,10 +146,50 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str | None = None
+    arguments: str | None = Field(None, description="the arguments as JSON text")
+
+
+class ToolCall(_Body):
+    """A call an earlier assistant message made (checked in `server.tool_prompt`)."""
+
+    id: str | None = None
+    type: str | None = Field(None, description='"function"')
+    function: FunctionCall | None = None
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, description="the speaker: the chat template's {name}")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+
+class FunctionDefinition(_Body):
+    name: str | None = Field(None, description="1-64 letters, digits, _ or -")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON Schema of the arguments object; omitted: no arguments"
+    )
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class Tool(_Body):
+    """OpenAI's tool object (checked in `server.tool_request`)."""
+
+    type: str | None = Field(None, description='"function"')
+    function: FunctionDefinition | None = None
+
+
+class NamedFunction(_Body):
+    name: str | None = None
+
+
+class NamedToolChoice(_Body):
+    type: str | None = Field(None, description='"function"')
+    function: NamedFunction | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -157,7 +197,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported; must be empty")
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='"none", "auto" (the default with tools), "required", or '
+        '{"type": "function", "function": {"name": ...}}',
+    )
+    parallel_tool_calls: bool | None = Field(None, description="more than one call (default)")
+
+    @property
+    def asks_for_structure(self) -> bool:
+        """A constraint field, or tools (their schemas are compiled too)."""
+        return bool(self.tools) or super().asks_for_structure
 
 
 class TokenizeRequest(_Body):
@@ -265,9 +316,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, valid under the tool's parameters
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the message is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -16,6 +16,7 @@ from typing import Any
 
 from model import SHAKESPEARE_DIR
 from model.known_models import cached_path, known_name
+from server.tool_formats import PARSER_NAMES
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
 GROUPS = {
@@ -71,6 +72,11 @@ class Settings:
     chat_template: str | None = flag(
         None, "a Jinja chat template file used instead of the checkpoint's own"
     )
+    tool_call_parser: str | None = flag(
+        None, "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or "
+        "llama3_json (a bare JSON object); default: what the chat template writes (llama3_json "
+        "for a Llama 3 template, else hermes)", choices=PARSER_NAMES,
+    )  # fmt: skip
     device: str = flag("auto", "auto: CUDA if available", choices=("auto", "cpu", "cuda"))
     dtype: str = flag(
         "auto", "auto: float32 on CPU, bfloat16 on CUDA",

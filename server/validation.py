@@ -33,6 +33,9 @@ from server.protocol import (
 from server.request_fields import check_extra_fields
 from server.settings import Settings
 from server.structured_request import StructuredOutputError, constraint_from_fields
+from server.tool_formats import ToolCallFormat, format_for_template
+from server.tool_prompt import chat_messages
+from server.tool_request import ToolRequest, read_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -46,6 +49,7 @@ class EngineInputs:
     stream: bool = False
     include_usage: bool = False  # the stream ends with a usage chunk
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    tool_format: ToolCallFormat | None = None  # chat with tools: how the answer's calls read
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -99,6 +103,11 @@ class Validator:
         grammar_vocab(self.tokenizer, self.limits.vocab_size)
 
     @functools.cached_property
+    def tool_format(self) -> ToolCallFormat:
+        """How this model writes tool calls (--tool-call-parser, else its chat template's way)."""
+        return format_for_template(self.template, self.settings.tool_call_parser)
+
+    @functools.cached_property
     def request_limits(self) -> RequestLimits:
         """The engine's limits with this server's caps on one request."""
         settings = self.settings
@@ -139,15 +148,14 @@ class Validator:
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         check_model(req.model, self.name)
         check_extra_fields(req, "chat", self.tokenizer)
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
+        tools = read_tools(req, self.tokenizer, self.limits.vocab_size)
         include_usage = self._stream_options(req)
         top = req.top_logprobs
         if top is not None:
             self._logprobs_within_limit(top, "top_logprobs")
         if top and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        ids = self._chat_prompt(req)
+        ids = self._chat_prompt(req, tools)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         value = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -162,8 +170,18 @@ class Validator:
             req, max_tokens, (top or 0) if req.logprobs else None, extra_stop=self.template.stop
         )
         self._check_fits(ids, max_tokens, "messages", param)
-        self._constrain(req, params)
-        return EngineInputs([ids], params, bool(req.stream), include_usage)
+        structured = self._constrain(req, params)
+        if tools is None or not tools.calls:
+            return EngineInputs([ids], params, bool(req.stream), include_usage)
+        if structured is not None:
+            raise bad_request(
+                f'{structured} cannot be combined with tools unless tool_choice is "none"',
+                structured,
+            )
+        self._constrain_calls(tools, params)
+        return EngineInputs(
+            [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format
+        )
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         check_model(req.model, self.name)
@@ -205,21 +223,12 @@ class Validator:
                 texts.append(None)
         return ids, texts
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = []
-        for msg in req.messages:
-            if msg.content is None:
-                content = ""
-            elif isinstance(msg.content, str):
-                content = msg.content
-            else:
-                content = "".join(part.text for part in msg.content)
-            message: dict = {"role": msg.role, "content": content}
-            if msg.name:
-                message["name"] = msg.name
-            messages.append(message)
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+        messages, shown_tools = chat_messages(
+            req.messages, tools, self.tool_format, self.template.knows_tools
+        )
         try:
-            text = self.template.render_messages(messages)
+            text = self.template.render_messages(messages, shown_tools)
         except ValueError as exc:  # a Jinja template raised (raise_exception) or failed
             raise bad_request(f"the chat template failed: {exc}", "messages") from None
         allow = True if self.template.specials_in_prompt else None  # the template's own tokens
@@ -300,9 +309,10 @@ class Validator:
 
     # ---- structured output ----------------------------------------------------------------
 
-    def _constrain(self, req: StructuredFields, params: SamplingParams) -> None:
+    def _constrain(self, req: StructuredFields, params: SamplingParams) -> str | None:
         """Compile the request's structured-output constraint (if any) onto params; last, after
-        the cheap checks, since a new schema costs milliseconds to compile."""
+        the cheap checks, since a new schema costs milliseconds to compile. Returns the field
+        that asked for it."""
         try:
             asked = constraint_from_fields(req, self.tokenizer, self.limits.vocab_size)
         except StructuredOutputError as exc:
@@ -312,6 +322,18 @@ class Validator:
             # min_tokens bans the stop tokens, and the grammar may allow nothing else
             raise bad_request(
                 "stop_token_ids cannot be combined with min_tokens in a structured-output request",
+                "stop_token_ids",
+            )
+        return None if asked is None else asked.param
+
+    def _constrain_calls(self, tools: ToolRequest, params: SamplingParams) -> None:
+        """The answer's tool calls constrained by their grammar (server.tool_grammar)."""
+        params.constraint = tools.constraint(
+            self.tool_format, self.tokenizer, self.limits.vocab_size
+        )
+        if params.min_tokens and params.stop_token_ids:
+            raise bad_request(
+                "stop_token_ids cannot be combined with min_tokens in a request with tools",
                 "stop_token_ids",
             )
 

@@ -88,7 +88,9 @@ CASES = [
     (H, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (H, chat(top_logprobs=2), 400, "top_logprobs"),
     (H, chat(logprobs=1), 400, "logprobs"),
-    (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (H, chat(tools=[{"type": "function", "function": {}}]), 400, "tools"),  # no name
+    (H, chat(tool_choice="required"), 400, "tool_choice"),  # without tools
+    (H, chat(parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
     (H, chat(response_format={"type": "xml"}), 400, "response_format"),
     (C, comp(response_format={"type": "json_schema"}), 400, "response_format"),
     (C, comp(structured_outputs={"regex": "(a"}), 400, "structured_outputs"),
