@@ -181,11 +181,6 @@ def test_gqa_llama_output_loads_with_the_trained_weights(gqa_runs: list[Path]) -
         assert_served_logits_are_the_trained_weights(out)
 
 
-@pytest.mark.xfail(
-    reason="GQA: the paged attention kernels do not take n_kv_head < n_head yet; this passes "
-    "(XPASS) once they do, and the mark should then go",
-    strict=False,
-)
 def test_gqa_llama_output_generates_through_the_engine(gqa_runs: list[Path]) -> None:
     assert_engine_generates(gqa_runs[0], "ROMEO:\nBut soft")
 
