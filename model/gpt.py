@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from kernels import flash_attention
 from kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
 from model.config import ModelConfig
+from model.rmsnorm import RMSNorm
+from model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -33,49 +35,83 @@ def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
     return table
 
 
+Rope = (
+    tuple[torch.Tensor, torch.Tensor] | None
+)  # cos, sin (N, head_dim) of each token; None: no rotary
+
+
+def _norm(config: ModelConfig, dim: int) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, eps=config.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
+
+
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.split_sizes = (q_width, kv_width, kv_width)
+        self.c_attn = nn.Linear(config.n_embd, q_width + 2 * kv_width, bias=config.attn_bias)
+        self.c_proj = nn.Linear(q_width, config.n_embd, bias=config.bias)
+        if config.qk_norm:  # Qwen3: each head's query and key normalized before the rotation
+            self.q_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        y = flash_attention(q, k, v, causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)
+    def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., T, C) -> q (..., T, nh, hs), k and v (..., T, n_kv, hs), normed and rotated."""
+        q, k, v = self.c_attn(x).split(self.split_sizes, dim=-1)
+        q = q.unflatten(-1, (self.n_head, self.head_dim))
+        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))
+        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # (B, heads, T, hs)
+        y = flash_attention(q, k, v, causal=True)  # (B, nh, T, hs); KV head h // group for head h
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
     def forward_cached(
-        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan
-    ) -> torch.Tensor:
-        N, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=1)
-        q = q.view(N, self.n_head, self.head_dim)  # (N, nh, hs)
-        k = k.view(N, self.n_head, self.head_dim)
-        v = v.view(N, self.n_head, self.head_dim)
+        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan,
+        rope: Rope = None,
+    ) -> torch.Tensor:  # fmt: skip
+        N = x.shape[0]
+        q, k, v = self._qkv(x, rope)  # (N, nh, hs), (N, n_kv, hs), (N, n_kv, hs)
         y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first
-        return self.c_proj(y.reshape(N, C))
+        return self.c_proj(y.reshape(N, self.n_head * self.head_dim))
 
 
 class MLP(nn.Module):
+    """GPT-2's MLP (gelu or relu), or Llama's SwiGLU: c_fc holds the gate's rows, then up's."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        width = config.mlp_width
+        self.gated = config.activation == "swiglu"
+        self.c_fc = nn.Linear(config.n_embd, (2 if self.gated else 1) * width, bias=config.bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.relu = config.activation == "relu"
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
-        h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
 
 
@@ -83,18 +119,19 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_1 = _norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_2 = _norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._residual(x, self.attn)
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        return self._residual(x, lambda h: self.attn(h, rope))
 
     def forward_cached(
-        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan
-    ) -> torch.Tensor:
-        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, plan))
+        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan,
+        rope: Rope = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, plan, rope))
 
     def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
         if self.pre_norm:
@@ -116,14 +153,15 @@ class GPT(nn.Module):
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         if config.norm_position == "pre":
-            layers["ln_f"] = nn.LayerNorm(
-                config.n_embd, eps=config.layer_norm_eps, bias=config.bias
-            )
+            layers["ln_f"] = _norm(config, config.n_embd)
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.pos_encoding == "sinusoidal":
             table = sinusoidal_table(config.block_size, config.n_embd)
             self.register_buffer("pos_table", table, persistent=False)
+        if config.pos_encoding == "rotary":
+            inv_freq = rotary_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+            self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # float32 always
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -147,9 +185,15 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)
         if self.config.pos_encoding == "learned":
             x = x + self.transformer.wpe(pos)
-        else:
+        elif self.config.pos_encoding == "sinusoidal":
             x = x + self.pos_table[pos].to(x.dtype)
         return self.transformer.drop(x)
+
+    def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos, sin of every token's position, once per forward for all layers (rotary only)."""
+        if self.config.pos_encoding != "rotary":
+            return None
+        return rotary_cos_sin(pos, self.rope_inv_freq.to(pos.device), dtype)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if "ln_f" in self.transformer:
@@ -163,8 +207,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self._embed(idx, pos)  # (B, T, C)
+        rope = self._rope(pos, x.dtype)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, rope)
         return x
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -193,8 +238,9 @@ class GPT(nn.Module):
         new token). Returns (len(logits_index), vocab_size).
         """
         x = self._embed(tokens, meta.positions)  # (N, C)
+        rope = self._rope(meta.positions, x.dtype)
         plan = cache.plan(meta)  # the attention backend's, built once for every layer
         for layer, block in enumerate(self.transformer.h):
-            x = block.forward_cached(x, cache, layer, plan)
+            x = block.forward_cached(x, cache, layer, plan, rope)
         index = meta.last_token_index if logits_index is None else logits_index
         return self._head(x[index])  # (M, V)
