@@ -244,21 +244,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _answer(state, "chat", lambda v: v.chat(body), request, body.asks_for_structure)
 
 
+def _events(accepted: AcceptedRequest, watch: Request | None = None):  # noqa: ANN202
+    """The request's engine events, all its choices merged, closed when the caller leaves."""
+    return aclosing(
+        merged_events(
+            accepted.async_engine,
+            accepted.id,
+            accepted.inputs.prompts,
+            accepted.inputs.params,
+            accepted.timeout,
+            watch=watch,
+        )  # fmt: skip
+    )
+
+
 async def _collect(accepted: AcceptedRequest, request: Request) -> None:
     """Run a non-streaming request to the end; a client that hangs up aborts it."""
     prompt_lps: dict = {}
     endpoint = accepted.kind
     try:
-        async with aclosing(
-            merged_events(
-                accepted.async_engine,
-                accepted.id,
-                accepted.inputs.prompts,
-                accepted.inputs.params,
-                accepted.timeout,
-                watch=request,
-            )
-        ) as events:
+        async with _events(accepted, watch=request) as events:
             async for index, event in events:
                 choice, _, _ = accepted.apply(index, event, prompt_lps)
                 if choice.error is not None:
@@ -321,15 +326,7 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
             ]
             yield sse(accepted.chunk(opening))
         try:
-            async with aclosing(
-                merged_events(
-                    accepted.async_engine,
-                    accepted.id,
-                    accepted.inputs.prompts,
-                    accepted.inputs.params,
-                    accepted.timeout,
-                )
-            ) as events:
+            async with _events(accepted) as events:
                 held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
                 sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
                 async for index, event in events:
