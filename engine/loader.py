@@ -7,11 +7,14 @@ benchmarks all load through `load_for_inference`, which runs these steps in this
 2. the quantization is checked against them before anything loads (`check_load`), so a bad
    combination is one error at once rather than after a long load;
 3. glibc malloc keeps freed memory (`model.cpu.malloc_tuning`), before the weights are allocated;
-4. the checkpoint loads in that device and dtype;
+4. the checkpoint loads in that device and dtype; a GGUF file on a CPU keeps its own bits unless
+   asked otherwise (`low_bit_gguf`: quantization "none"; "dequantize" gives float weights);
 5. `prepare_for_inference`: quantization first, then the CPU wing (`optimize_for_cpu`), which
-   leaves int8 layers as they are (`quantize` refuses to run after it);
+   leaves int8 and int4 layers as they are (`quantize` refuses to run after it);
 6. the tokenizer the checkpoint names, and the optional draft model of speculative decoding
-   through the same steps, which must use the same tokenizer.
+   through the same steps, which must use the same tokenizer;
+7. the memory the load freed goes back to the system (`release_freed_memory`): step 3 keeps freed
+   memory for good, and a load frees several times the weights' size in temporaries.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.cpu import optimize_for_cpu
-from model.cpu.malloc_tuning import retain_freed_memory
+from model.cpu.malloc_tuning import release_freed_memory, retain_freed_memory
 from model.dtypes import DTYPES
 from model.gpt import GPT
+from model.int4_linear import int4_supported
 from model.quantize import QuantizeError, check_quantization, quantize, weight_bytes
 from model.tokenizer import TextTokenizer, load_tokenizer
 
@@ -47,7 +51,8 @@ class InferenceModel:
     device: torch.device
     dtype: torch.dtype  # of the activations (and of the weights unless quantized)
     quantization: str
-    weight_bytes: int  # the weights as served, each matrix once (before the CPU wing's layouts)
+    weight_bytes: int  # the weights as served, each matrix once (before the CPU wing's layouts;
+    # a GGUF file's quantized token table, read from the file on use, is not in memory)
     draft: GPT | None = None  # the draft model of speculative decoding
 
 
@@ -81,6 +86,20 @@ def check_load(
     return resolved, torch_dtype
 
 
+def low_bit_gguf(path: str | Path, device: torch.device, quantization: str) -> bool:
+    """Whether a checkpoint loads at its own low bits: a GGUF file, on a CPU with PyTorch's int4
+    kernel, unless a quantization ("int8") or float weights ("dequantize") are asked for. Elsewhere
+    a GGUF file is dequantized to float."""
+    path = Path(path)
+    is_gguf = path.suffix == ".gguf" and path.is_file()
+    return is_gguf and quantization == "none" and device.type == "cpu" and int4_supported()
+
+
+def _load(path: Path, device: torch.device, dtype: torch.dtype, quantization: str) -> GPT:
+    low_bit = low_bit_gguf(path, device, quantization)
+    return load_checkpoint(path, device=device, dtype=dtype, low_bit=low_bit)
+
+
 def prepare_for_inference(model: GPT, quantization: str = "none") -> GPT:
     """Quantize a loaded model, then give it the CPU wing's layouts (on a CPU); in place.
 
@@ -98,22 +117,24 @@ def load_for_inference(
     quantization: str = "none",
     draft_path: str | Path | None = None,
 ) -> InferenceModel:
-    """Load a checkpoint (ours or a Hugging Face GPT-2 directory) ready to serve; raises
+    """Load a checkpoint (ours, a Hugging Face directory or a GGUF file) ready to serve; raises
     ModelLoadError with a one-line message."""
     path = Path(path)
     resolved, torch_dtype = check_load(device, dtype, quantization)
     retain_freed_memory()  # process-wide; before the weights are allocated
     try:
-        model = quantize(load_checkpoint(path, device=resolved, dtype=torch_dtype), quantization)
+        model = quantize(_load(path, resolved, torch_dtype, quantization), quantization)
         size = weight_bytes(model)
         model = optimize_for_cpu(model)
         draft = None
         if draft_path is not None:
-            draft = load_checkpoint(draft_path, device=resolved, dtype=torch_dtype)
+            draft = _load(Path(draft_path), resolved, torch_dtype, quantization)
             draft = prepare_for_inference(draft, quantization)
         tokenizer = load_tokenizer(model.config.tokenizer, path)
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(_first_line(exc)) from None
+    finally:
+        release_freed_memory()
     if draft is not None and draft.config.tokenizer != model.config.tokenizer:
         raise ModelLoadError(
             f"the draft model's tokenizer {draft.config.tokenizer!r} is not the model's "

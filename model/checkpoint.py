@@ -95,13 +95,22 @@ def atomic_write(target: Path, write: Callable[[str], object]) -> None:
 
 
 def load_checkpoint(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    low_bit: bool = False,
 ) -> GPT:
     """Load our checkpoint directory, a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2,
-    Qwen3) or a GGUF file into an eval-mode GPT."""
+    Qwen3) or a GGUF file into an eval-mode GPT.
+
+    A GGUF file's weights are dequantized to float unless `low_bit`, which keeps its quantized
+    matrices at their own bits (`model.gguf_quantized`; on a CPU, inference only); `low_bit` is
+    ignored for other checkpoints.
+    """
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
-        return _load_gguf(path, device, dtype)
+        return _load_gguf(path, device, dtype, low_bit)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     cfg_path = path / CONFIG_FILE
@@ -134,20 +143,38 @@ def load_checkpoint(
     return model.eval()
 
 
-def _load_gguf(path: Path, device: torch.device | str, dtype: torch.dtype | None) -> GPT:
-    """A GGUF file's weights dequantized to float32 (or dtype)."""
+def _load_gguf(
+    path: Path, device: torch.device | str, dtype: torch.dtype | None, low_bit: bool
+) -> GPT:
+    """A GGUF file's weights dequantized to float32 (or dtype), or at their own bits."""
     from model.gguf_checkpoint import dequantized_state, read_gguf
 
+    if low_bit and torch.device(device).type != "cpu":
+        raise CheckpointError(
+            f"a GGUF file at its own bits runs on a CPU, not {torch.device(device).type} "
+            "(dequantize it to float there: --quantize dequantize)"
+        )
+    if low_bit:  # imported before the file's metadata is parsed: see the next comment
+        from model.gguf_quantized import build_low_bit_gpt
     try:
         gguf_model = read_gguf(path)
-        state = dequantized_state(gguf_model)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    model = GPT(gguf_model.config)
-    _load_state(model, state, path)
+    if low_bit:
+        # Parsing the metadata makes and drops ~10^5 small objects; what lives on from then (the
+        # strings kept here, modules imported) would pin their allocator's pages for good.
+        gguf_model.metadata.clear()  # ~100k strings (the tokenizer's): freed before the build
+        try:
+            model = build_low_bit_gpt(gguf_model, path, dtype or torch.float32)
+        except ConfigError as exc:
+            raise CheckpointError(f"{path.name}: {exc}") from None
+    else:
+        model = GPT(gguf_model.config)
+        _load_state(model, dequantized_state(gguf_model), path)
     if gguf_model.rope_freq_factors is not None:  # Llama 3's long-context rescaling
         model.rope_inv_freq.div_(gguf_model.rope_freq_factors)
-    model.to(device=device, dtype=dtype)
+    if not low_bit:  # the low-bit modules are built in their device and dtypes
+        model.to(device=device, dtype=dtype)
     return model.eval()
 
 

@@ -29,11 +29,13 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K",
 @dataclass
 class RawTensor:
     """One tensor as the file stores it: numpy data (bytes for quantized types), its GGML type
-    name and its shape in torch order (rows, columns)."""
+    name, its shape in torch order (rows, columns) and where its bytes start in the file (None once
+    its rows are reordered)."""
 
     data: np.ndarray
     type: str
     shape: tuple[int, ...]
+    offset: int | None = None
 
 
 @dataclass
@@ -159,7 +161,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGML lists columns first
-        raw = RawTensor(np.asarray(t.data), kind, shape)
+        raw = RawTensor(np.asarray(t.data), kind, shape, int(t.data_offset))
         stem, _, suffix = t.name.rpartition(".")  # "blk.3.attn_q", "weight"
         if t.name == "rope_freqs.weight":
             factors = torch.from_numpy(_to_float(raw).copy())

@@ -20,6 +20,10 @@ What the product supports in PyTorch 2.13, and what follows here:
 
 The model is for inference only afterwards (no gradients), and `save_checkpoint` refuses it:
 save the model as loaded, not a quantized one.
+
+"none" leaves the weights as the checkpoint stores them: float, or a GGUF file's own low bits
+(`model.gguf_quantized`, on a CPU); "dequantize" turns a GGUF file's weights into float in the
+model's dtype (for other checkpoints it is "none").
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.gpt import GPT
+from model.int4_linear import Int4Linear
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "dequantize")
 K_MULTIPLE = 16  # input channels the CPU kernel reads at a time
 ALIGN_BYTES = 64  # the CPU kernel's aligned loads need 32; PyTorch's allocator gives 64
 MANY_ROWS = 16  # from this many rows on, dequantize and use the ordinary product (CPU-measured)
@@ -44,7 +49,7 @@ def check_quantization(method: str, device: torch.device | str, dtype: torch.dty
     """Raise QuantizeError if `method` cannot serve a model of `dtype` on `device`."""
     if method not in QUANTIZATIONS:
         raise QuantizeError(f"unknown quantization {method!r}; choose from {QUANTIZATIONS}")
-    if method == "none":
+    if method in ("none", "dequantize"):
         return
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         raise QuantizeError(f"--quantize int8 needs PyTorch 2.4 or later (this is {torch.__version__})")  # fmt: skip
@@ -92,16 +97,36 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach()  # (out, in)
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype  # of inputs, outputs and bias
-        self.op_dtype = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
-        self.pad = -self.in_features % K_MULTIPLE
         q, scales = quantize_rows(weight)
+        self._hold(q, scales, linear.bias, weight.dtype)
+
+    @classmethod
+    def from_rows(
+        cls,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Int8Linear:
+        """From rows quantized already ((out, in) int8, (out,) scales as `quantize_rows` makes
+        them), for matrices never held in float at once (a GGUF file's: model.gguf_quantized)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._hold(q, scales, bias, dtype)
+        return module
+
+    def _hold(
+        self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        self.out_features, self.in_features = q.shape
+        self.dtype = dtype  # of inputs, outputs and bias
+        self.op_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
+        self.pad = -self.in_features % K_MULTIPLE
         self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
         self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
         self.bias = None
-        if linear.bias is not None:
-            self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out). Called 49 times a decode step: few Python steps on purpose."""
@@ -138,19 +163,21 @@ class Int8Embedding(nn.Module):
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, Int8Linear) for m in model.modules())
+    """Whether the model holds int8 layers or a GGUF file's int4 ones."""
+    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
 
 
 @torch.no_grad()
 def quantize(model: GPT, method: str) -> GPT:
     """Quantize the layer matrices and head of a loaded model in place; returns the model.
 
-    "none" returns it unchanged; a model already quantized is returned unchanged. Quantize before
+    "none" and "dequantize" return it unchanged (the latter acts at load: `load_checkpoint`'s
+    `low_bit`); a model already quantized is returned unchanged. Quantize before
     `model.cpu.optimize_for_cpu`, which leaves int8 layers as they are.
     """
     if method not in QUANTIZATIONS:
         raise QuantizeError(f"unknown quantization {method!r}; choose from {QUANTIZATIONS}")
-    if method == "none" or is_quantized(model):
+    if method in ("none", "dequantize") or is_quantized(model):
         return model
     if not isinstance(model.lm_head, nn.Linear):
         raise QuantizeError("quantize the model before optimize_for_cpu, not after")

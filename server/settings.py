@@ -84,8 +84,9 @@ class Settings:
     )  # fmt: skip
     quantize: str = flag(
         "none", "weight quantization at load: int8 = weight-only int8, a scale per output channel, "
-        "for the layer matrices and the head (on a CPU: with --dtype float32 or bfloat16)",
-        choices=("none", "int8"),
+        "for the layer matrices and the head (on a CPU: with --dtype float32 or bfloat16); none "
+        "keeps a GGUF file's own bits on a CPU; dequantize = a GGUF file's weights as float",
+        choices=("none", "int8", "dequantize"),
     )  # fmt: skip
     log_level: str = flag(
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")

@@ -44,3 +44,15 @@ def retain_freed_memory() -> bool:
             _done = mallopt(_M_TRIM_THRESHOLD, threshold) == 1
             return _done
     return False
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the system once (glibc's malloc_trim), as after a load,
+    whose temporaries `retain_freed_memory` would otherwise keep; False where not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

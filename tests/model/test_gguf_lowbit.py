@@ -1,0 +1,285 @@
+"""GGUF files at their own bits: block formats read exactly, the int4 kernel's products, the
+low-bit model against the dequantized float one (small random files and the real SmolLM2 file:
+top-token agreement, loss, resident memory), and the loader's choice of path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from model import CheckpointError, load_checkpoint
+from model.cpu import optimize_for_cpu
+from model.gguf_blocks import int4_groups, q8_0_split_groups
+from model.gguf_checkpoint import RawTensor
+from model.gguf_quantized import StackedLinear, linear_module
+from model.gguf_rows import FileRows, RefinedHead, RowsEmbedding
+from model.int4_linear import Int4Linear
+from model.known_models import fetch_known_model
+from model.quantize import Int8Linear, is_quantized, quantize_rows
+from model.tokenizer import load_tokenizer
+from tests.model.test_gguf import CASES, k_quant_bytes, write_gguf
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+REPO = Path(__file__).resolve().parents[2]
+
+
+def quantized(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random (rows, cols) weights in GGML type `kind`, as the file's bytes."""
+    rng = np.random.default_rng(seed)
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        data = k_quant_bytes(Q[kind], rows, cols, rng)
+        if kind == "Q4_K":  # every scale and min of the sub-blocks, not only d and dmin
+            blocks = data.reshape(rows, -1, 144)
+            blocks[..., 4:16] = rng.integers(0, 256, size=blocks[..., 4:16].shape)
+        return data
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, Q[kind])
+
+
+def dequantized(data: np.ndarray, kind: str, shape: tuple[int, int]) -> np.ndarray:
+    return gguf.quants.dequantize(data, Q[kind]).astype(np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_groups_are_the_files_values(kind: str) -> None:
+    data = quantized(kind, 48, 512)
+    groups = int4_groups(data, kind, (48, 512))
+    assert groups.codes.min() >= 0 and groups.codes.max() <= 15
+    assert np.array_equal(groups.dequantize(), dequantized(data, kind, (48, 512)))
+
+
+def test_q8_0_is_two_int4_groups_a_block_exactly() -> None:
+    data = quantized("Q8_0", 48, 256)
+    groups = q8_0_split_groups(data, (48, 256))
+    halves = groups.dequantize().reshape(48, 8, 2, 32).sum(axis=2).reshape(48, 256)
+    assert np.array_equal(halves, dequantized(data, "Q8_0", (48, 256)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "rows", "cols"),
+    [("Q4_1", 96, 256), ("Q4_0", 40, 128), ("Q4_K", 64, 512), ("Q8_0", 48, 256)],
+    ids=["q4_1", "q4_0-rows-padded", "q4_k", "q8_0-split"],
+)
+def test_int4_kernel_multiplies_the_dequantized_weights(kind: str, rows: int, cols: int) -> None:
+    data = quantized(kind, rows, cols)
+    weight = torch.from_numpy(dequantized(data, kind, (rows, cols))).double()
+    copies = 2 if kind == "Q8_0" else 1
+    if copies == 2:
+        groups = q8_0_split_groups(data, (rows, cols))
+    else:
+        groups = int4_groups(data, kind, (rows, cols))
+    x = torch.randn(5, 3, cols, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ weight.t()  # (5, 3, rows)
+    exact = Int4Linear(groups, op_dtype=torch.float32, input_copies=copies)
+    assert (exact(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # float rounding
+    served = Int4Linear(groups, input_copies=copies)  # bfloat16 products, as served
+    assert served(x).shape == (5, 3, rows) and served(x).dtype == torch.float32
+    assert (served(x).double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_packing_in_chunks_is_packing_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = quantized("Q4_1", 200, 128)
+    groups = int4_groups(data, "Q4_1", (200, 128))
+    whole = Int4Linear(groups, op_dtype=torch.float32)
+    monkeypatch.setattr("model.int4_linear.PACK_ROWS", 64)
+    chunked = Int4Linear(groups, op_dtype=torch.float32)
+    assert torch.equal(whole.weight, chunked.weight)
+
+
+def test_joined_parts_of_different_types_are_stacked() -> None:
+    parts = [
+        RawTensor(quantized("Q4_0", 64, 256, seed=1), "Q4_0", (64, 256)),
+        RawTensor(quantized("Q6_K", 32, 256, seed=2), "Q6_K", (32, 256)),
+    ]
+    bias = [torch.randn(64), torch.randn(32)]
+    module = linear_module(parts, bias, torch.float32)
+    assert isinstance(module, StackedLinear)
+    assert [type(p) for p in module.parts] == [Int4Linear, Int8Linear]
+    weight = np.concatenate([dequantized(p.data, p.type, p.shape) for p in parts])
+    x = torch.randn(4, 256)
+    ref = x @ torch.from_numpy(weight).t() + torch.cat(bias)
+    assert (module(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_the_refined_head_gets_the_top_logits_exactly() -> None:
+    rows, cols = 512, 128
+    data = quantized("Q8_0", rows, cols)
+    weight = torch.from_numpy(dequantized(data, "Q8_0", (rows, cols)))
+    table = FileRows(data, "Q8_0", (rows, cols))
+    fast = Int8Linear.from_rows(*quantize_rows(weight))
+    head = RefinedHead(fast, table, refine=8)
+    x = torch.randn(6, cols)
+    ref = x @ weight.t()  # (6, rows)
+    logits = head(x)
+    top = logits.topk(8, dim=-1).indices
+    assert torch.equal(top, ref.topk(8, dim=-1).indices)
+    assert (logits.gather(1, top) - ref.gather(1, top)).abs().max() <= 1e-5 * ref.abs().max()
+    embedded = RowsEmbedding(table, torch.float32)(torch.tensor([[3, 7], [511, 0]]))
+    assert torch.equal(embedded, weight[torch.tensor([[3, 7], [511, 0]])])
+
+
+def module_kinds(model: nn.Module) -> set[type]:
+    return {type(m) for m in model.modules()}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize(("arch", "kind"), CASES, ids=[f"{a}-{k}" for a, k in CASES])
+def test_small_files_at_their_bits_compute_the_float_model(
+    tmp_path: Path, arch: str, kind: str
+) -> None:
+    path = tmp_path / f"{arch}-{kind}.gguf"
+    write_gguf(path, arch, kind, tied=arch == "qwen3")
+    low, ref = load_checkpoint(path, low_bit=True), load_checkpoint(path)
+    expected = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q4_K": Int4Linear, "Q8_0": Int4Linear,
+                "Q5_K": Int8Linear, "Q6_K": Int8Linear}.get(kind, nn.Linear)  # fmt: skip
+    assert expected in module_kinds(low.transformer.h)
+    if kind not in ("F32", "F16", "BF16"):
+        assert isinstance(low.transformer.wte, RowsEmbedding)
+        assert isinstance(low.lm_head, RefinedHead)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, module in ref.named_modules():  # each product, Q and K rows in their order
+            if isinstance(module, nn.Linear) and name != "lm_head":
+                x = torch.randn(4, module.in_features, generator=generator)
+                assert relative_error(low.get_submodule(name)(x), module(x)) < 2e-2, name
+        idx = torch.randint(0, 260, (2, 24), generator=generator)
+        got, want = low(idx), ref(idx)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    if kind != "Q6_K":  # random Q6_K weights reach +-8: this model turns 0.7% into 15%
+        assert relative_error(got, want) < 3e-2
+
+
+def test_cpu_wing_leaves_low_bit_layers_alone(tmp_path: Path) -> None:
+    path = tmp_path / "llama-q4.gguf"
+    write_gguf(path, "llama", "Q4_1")
+    model = load_checkpoint(path, low_bit=True)
+    idx = torch.randint(0, 260, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(idx)
+        kinds = module_kinds(model)
+        optimize_for_cpu(model)
+        assert module_kinds(model) == kinds
+        assert torch.equal(model(idx), before)
+
+
+def test_the_loader_keeps_a_gguf_files_bits_unless_asked(tmp_path: Path) -> None:
+    from engine.loader import load_for_inference
+
+    path = tmp_path / "llama-q4.gguf"
+    write_gguf(path, "llama", "Q4_0")
+    own = load_for_inference(path, device="cpu", dtype="float32")
+    assert Int4Linear in module_kinds(own.model) and own.quantization == "none"
+    floats = load_for_inference(path, device="cpu", dtype="float32", quantization="dequantize")
+    assert not is_quantized(floats.model) and floats.weight_bytes > 3 * own.weight_bytes
+    int8 = load_for_inference(path, device="cpu", dtype="float32", quantization="int8")
+    assert Int8Linear in module_kinds(int8.model) and Int4Linear not in module_kinds(int8.model)
+    idx = torch.randint(0, 260, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # the dequantized path, CPU layouts and all, is today's float model
+        assert (floats.model(idx) - load_checkpoint(path)(idx)).abs().max() < 1e-4
+
+
+def test_own_bits_elsewhere_than_a_cpu_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "llama-q4.gguf"
+    write_gguf(path, "llama", "Q4_0")
+    with pytest.raises(CheckpointError, match="runs on a CPU") as info:
+        load_checkpoint(path, device="cuda", low_bit=True)
+    assert "\n" not in str(info.value)
+
+
+# The real file: SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 table (98 MB).
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return fetch_known_model("smollm2-135m-instruct")
+
+
+def test_smollm2_at_its_bits_agrees_with_its_float_weights(smollm2: Path) -> None:
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:20000]
+    tokens = load_tokenizer("gguf", smollm2).encode(text)
+    ids = torch.tensor([tokens[:513]])
+    idx, targets = ids[:, :-1], ids[0, 1:]  # 512 positions
+    with torch.no_grad():
+        want = load_checkpoint(smollm2)(idx)[0]
+        got = load_checkpoint(smollm2, low_bit=True)(idx)[0]
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    loss = torch.nn.functional.cross_entropy(got, targets).item()
+    float_loss = torch.nn.functional.cross_entropy(want, targets).item()
+    print(f"top-1 agreement {agreement:.4f}, loss {loss:.4f} (float {float_loss:.4f})")
+    assert agreement >= 0.99
+    assert abs(loss - float_loss) <= 0.01 * float_loss
+
+
+MEMORY_PROBE = """
+import gc, json, sys
+import gguf, tokenizers  # libraries' code is not the model's memory
+from engine.loader import load_for_inference
+from model.cpu.malloc_tuning import release_freed_memory
+from model.tokenizer import load_tokenizer
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+gc.collect()
+before = rss()
+if sys.argv[2] == "serve":
+    held = load_for_inference(sys.argv[1], device="cpu", dtype="float32")
+    weights = held.weight_bytes
+else:  # the tokenizer alone, which a float model's server holds as well
+    held, weights = load_tokenizer("gguf", sys.argv[1]), 0
+gc.collect()
+release_freed_memory()
+print(json.dumps({"resident": rss() - before, "weights": weights}))
+"""
+
+
+def resident_after(path: Path, what: str) -> dict[str, int]:
+    """Resident bytes a fresh process gains loading `what` ("serve": the model as the server
+    loads it; "tokenizer": the tokenizer alone), and the weights' bytes."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(path), what],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_smollm2_serves_in_little_more_memory_than_its_file(smollm2: Path) -> None:
+    served, tokenizer = resident_after(smollm2, "serve"), resident_after(smollm2, "tokenizer")
+    size = smollm2.stat().st_size
+    model = served["resident"] - tokenizer["resident"]
+    print(
+        f"file {size / 1e6:.0f} MB; loaded to serve +{served['resident'] / 1e6:.0f} MB resident "
+        f"({served['resident'] / size:.2f}x), the tokenizer alone +"
+        f"{tokenizer['resident'] / 1e6:.0f} MB, the rest {model / 1e6:.0f} MB "
+        f"({model / size:.2f}x); weights {served['weights'] / 1e6:.0f} MB"
+    )
+    assert served["weights"] <= size
+    assert model <= 1.5 * size
+
+
+def test_smollm2_at_its_bits_answers_paris(smollm2: Path) -> None:
+    from model.chat_template import JinjaChatTemplate
+    from model.gguf_checkpoint import read_metadata
+
+    model, tok = load_checkpoint(smollm2, low_bit=True), load_tokenizer("gguf", smollm2)
+    template = JinjaChatTemplate(read_metadata(smollm2)["tokenizer.chat_template"])
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.encode(template.render(question))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert "Paris" in tok.decode(ids[len(prompt) :])
