@@ -4,9 +4,12 @@ PyTorch's default CPU matrix product (MKL) is slow on this project's AMD develop
 the 8-32 rows of a batched decode step it reaches about half of what oneDNN's kernels reach with
 a weight reordered once, ahead of time, into oneDNN's blocked layout. For one row, bound by
 reading the weights, oneDNN and the per-thread slabs of `PackedLinear` come out about even for a
-layer's matrices; for the large vocabulary head the slabs stay faster with one row, so the head
-keeps both (`RowSwitch`).
-`python bench/cpu_parts.py` measures each against the other.
+layer's matrices. `python bench/cpu_parts.py` measures each against the other.
+
+In float32 a row's result does not depend on how many rows are multiplied with it: where oneDNN
+multiplies few rows with another kernel than many (one row of a wide input), such inputs are
+padded with copies of their first row up to the fewest rows that compute as many do (`min_rows`,
+measured per layer when it is built), so a sequence gets the same logits alone and in a batch.
 
 The reordered weight is an opaque oneDNN tensor: it cannot be sliced, saved or trained. It exists
 for fp32 and bf16 (fp16 needs CPU features the development box lacks); `OneDnnLinear.supports`
@@ -21,6 +24,8 @@ import torch
 import torch.nn as nn
 
 PLANNED_ROWS = 32  # the batch size oneDNN picks its weight layout for (a full decode batch)
+ROW_COUNTS = (1, 2, 4, 8)  # what `min_rows` may be
+PROBE_ROWS = 16  # random rows `min_rows` is measured on (a multiple of each of ROW_COUNTS)
 
 
 ACTIVATIONS = {"none": ("none", ""), "relu": ("relu", ""), "gelu_tanh": ("gelu", "tanh")}
@@ -30,6 +35,8 @@ class OneDnnLinear(nn.Module):
     """The `nn.Linear` it is built from, then `activation`; the weight in oneDNN's layout.
 
     The activation runs inside oneDNN's kernel, on the output while it is still in cache.
+    `min_rows`: inputs of fewer rows are padded to it, so each row comes out as among many rows
+    (in float32; 1 in bfloat16).
     """
 
     def __init__(
@@ -42,9 +49,22 @@ class OneDnnLinear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)  # opaque (out, in)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # in bfloat16 a sequence's logits agree alone and in a batch only to rounding whatever
+        # its products do (the decode attention, docs/RELIABILITY.md): padding would cost a
+        # single stream 3% there for nothing
+        dtype = linear.weight.dtype
+        self.min_rows = _fewest_rows_computed_as_many(self, dtype) if dtype == torch.float32 else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out)."""
+        """(..., in) -> (..., out); in float32 a row's result does not depend on the row count."""
+        if x.numel() < self.min_rows * x.shape[-1] and x.numel():
+            rows = x.reshape(-1, self.in_features)  # (M, in), 0 < M < min_rows
+            m = rows.shape[0]
+            padded = torch.cat((rows, rows[:1].expand(self.min_rows - m, -1)))  # (min_rows, in)
+            return self._product(padded)[:m].view(*x.shape[:-1], self.out_features)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
             x, self.weight, self.bias, self.attr, [], self.algorithm
         )
@@ -69,15 +89,25 @@ def _probe(dtype: torch.dtype) -> bool:
         return False
 
 
-class RowSwitch(nn.Module):
-    """Runs `few` for inputs of fewer than `rows` rows and `many` otherwise (same function)."""
+@torch.no_grad()
+def _fewest_rows_computed_as_many(layer: OneDnnLinear, dtype: torch.dtype) -> int:
+    """The fewest rows `layer` must multiply at once for each row to come out to the bit as it
+    does among many rows: the first of ROW_COUNTS that does, or 1 if none does (padding would not
+    help then).
 
-    def __init__(self, few: nn.Module, many: nn.Module, rows: int) -> None:
-        super().__init__()
-        self.few = few
-        self.many = many
-        self.rows = rows
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out)."""
-        return self.few(x) if x.numel() < self.rows * x.shape[-1] else self.many(x)
+    For few rows of a wide input oneDNN takes other kernels, which sum in another order (here: one
+    row of 1536 input channels and more in float32); which shapes, row counts and thread counts do
+    so is oneDNN's choice, so it is measured once per layer: PROBE_ROWS random rows multiplied in
+    groups of each size against all of them at once (another order of float32 sums shows in
+    nearly every output).
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_ROWS, layer.in_features, generator=gen).to(dtype)  # (R, in)
+    many = layer._product(x)  # (R, out)
+    for rows in ROW_COUNTS:
+        if all(
+            torch.equal(layer._product(x[i : i + rows]), many[i : i + rows])
+            for i in range(0, PROBE_ROWS, rows)
+        ):
+            return rows
+    return 1

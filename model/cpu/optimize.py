@@ -3,9 +3,10 @@
 `optimize_for_cpu(model)` swaps modules of a loaded `GPT`, as a quantizer is applied at load:
 every `nn.Linear` of the layers gets oneDNN's weight layout where this CPU and build have it
 (per-thread slabs otherwise), each feed-forward block becomes a `FusedMLP` whose first product
-applies GELU/ReLU itself, and the output head keeps both forms (slabs for one row, oneDNN for
-more; `model.cpu.onednn_linear.RowSwitch`; in bfloat16 oneDNN's alone). A tied embedding then
-reads its rows from the head's slabs, so the table is stored once. Layers already quantized
+applies GELU/ReLU itself, and the output head gets oneDNN's layout too (slabs where oneDNN does
+not run: a tied embedding then reads its rows from them, so the table is stored once). In
+float32 oneDNN's products compute a row alike whatever the row count, so a sequence's logits do
+not depend on its batch (docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
 (`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
 only `nn.Linear` modules are swapped. A gated (SwiGLU) feed-forward block keeps its own forward.
 `python bench/cpu_parts.py` measures each part against what it replaces.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from model.cpu.onednn_linear import OneDnnLinear, RowSwitch
+from model.cpu.onednn_linear import OneDnnLinear
 from model.cpu.packed_linear import (
     PackedEmbedding,
     PackedLinear,
@@ -30,7 +31,7 @@ from model.cpu.packed_linear import (
 )
 from model.gpt import GPT, MLP
 
-WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, RowSwitch)
+WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding)
 
 
 class FusedMLP(nn.Module):

@@ -9,9 +9,11 @@ Slab layout, chosen by measuring both on the 2-core development box: a layer's m
 with slabs stored (width, in), each output's weights contiguous; the 154 MB vocabulary head with
 (in, width) slabs, and it gets more slabs than threads (`slab_count`).
 
-`pack_linear` and `pack_head` choose per matrix between these slabs and oneDNN's own layout
-(`model.cpu.onednn_linear`), which is faster for several rows; `python bench/cpu_parts.py` measures
-all three against each other.
+`pack_linear` and `pack_head` take oneDNN's own layout (`model.cpu.onednn_linear`) where it runs,
+which is faster for several rows, and these slabs elsewhere; `python bench/cpu_parts.py` measures
+them against each other. The slabs' product (MKL's) sums a row in an order that depends on the
+number of rows, so where they serve (float16, builds without oneDNN) a sequence's logits alone and
+in a batch agree only to rounding.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.cpu.onednn_linear import OneDnnLinear, RowSwitch
+from model.cpu.onednn_linear import OneDnnLinear
 
 
 class PackedLinear(nn.Module):
@@ -102,18 +104,17 @@ def pack_linear(linear: nn.Linear, threads: int) -> nn.Module:
 def pack_head(linear: nn.Linear, threads: int) -> tuple[nn.Module, PackedLinear | None]:
     """The output head for CPU inference, and the slabs a tied embedding reads its rows from.
 
-    In float32, with one row (single-stream decode) the slabs are fastest; with more, oneDNN, so
-    where oneDNN runs the head keeps both copies and switches on the row count. In bfloat16,
-    oneDNN's product is the fastest for one row too (1.7x the slabs), so the head is oneDNN's
-    alone and there are no slabs (None): a tied embedding keeps its own table.
+    Where oneDNN runs, the head is oneDNN's alone, in float32 as in bfloat16, and there are no
+    slabs (None): a tied embedding keeps its own table. A head that switched to the slabs for
+    one row would give a sequence other logits alone than in a batch, and oneDNN streams one row
+    as fast here (GPT-2's float32 head: 2.0-2.3 against 2.9-3.1 ms of CPU time a thread, and a
+    decode step no slower). Elsewhere the head is slabs.
     """
     dtype = linear.weight.dtype
-    if dtype == torch.bfloat16 and OneDnnLinear.supports(dtype):
+    if OneDnnLinear.supports(dtype):
         return OneDnnLinear(linear), None
     parts = slab_count(linear, threads)
     slabs = PackedLinear(linear, parts, column_major=parts > threads)
-    if OneDnnLinear.supports(dtype):
-        return RowSwitch(slabs, OneDnnLinear(linear), rows=2), slabs
     return slabs, slabs
 
 

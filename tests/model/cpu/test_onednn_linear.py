@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model.cpu.onednn_linear import OneDnnLinear, RowSwitch
+from model.cpu.onednn_linear import OneDnnLinear
 
 # x86-64 builds of PyTorch ship oneDNN: there the fast path must be found, never skipped quietly
 X86_WITH_ONEDNN = platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available()
@@ -57,24 +57,20 @@ def test_onednn_linear_in_bfloat16():
                                    rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
+@needs_onednn
+def test_a_float32_row_comes_out_the_same_whatever_the_number_of_rows():
+    torch.manual_seed(0)
+    # a wide input, where oneDNN's kernel for one row sums in another order than for several
+    layer = OneDnnLinear(nn.Linear(3072, 512))
+    x = torch.randn(48, 3072)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(48)])  # (48, 512), a row at a time
+        for rows in (2, 3, 7, 16, 33, 48):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+        assert torch.equal(layer(x[5].view(1, 1, -1)), alone[5].view(1, 1, -1))  # (1, 1, in)
+
+
 def test_supports_answers_without_raising_for_every_float_dtype():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert OneDnnLinear.supports(dtype) in (True, False)
     assert not OneDnnLinear.supports(torch.int32)  # not a float: the probe says no
-
-
-class _Tag(nn.Module):
-    def __init__(self, tag: float) -> None:
-        super().__init__()
-        self.tag = tag
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.full(x.shape[:-1], self.tag)
-
-
-def test_row_switch_picks_by_the_number_of_rows():
-    switch = RowSwitch(_Tag(1.0), _Tag(2.0), rows=2)
-    assert switch(torch.zeros(1, 8)).tolist() == [1.0]
-    assert switch(torch.zeros(2, 8)).tolist() == [2.0, 2.0]
-    assert switch(torch.zeros(1, 1, 8)).tolist() == [[1.0]]
-    assert switch(torch.zeros(3, 1, 8)).tolist() == [[2.0]] * 3

@@ -38,13 +38,25 @@ def test_optimized_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie, a
     fused = OneDnnLinear.supports(torch.float32)  # c_fc then applies the activation itself
     assert all(isinstance(b.mlp, FusedMLP) == fused for b in model.transformer.h)
     assert is_optimized_for_cpu(model) and not model.training
-    for rows in (1, 3):  # the head's two forms: slabs for one row, oneDNN for more
+    for rows in (1, 3):  # one row (single-stream decode) and several
         x = torch.randn(rows, 32)
         torch.testing.assert_close(model.lm_head(x), x @ head_weight.T, rtol=1e-5, atol=1e-5)
-    # slabs pad each matrix to a multiple of `parts` columns; only the head may be stored twice
+    # slabs pad each matrix to a multiple of `parts` columns; only a tied table may be stored
+    # twice: in oneDNN's layout for the head and as the embedding's own table
     extra = sum(p.numel() for p in model.parameters()) - n_params
-    head_copy = head_weight.numel() if OneDnnLinear.supports(torch.float32) else 0
+    head_copy = head_weight.numel() if tie and OneDnnLinear.supports(torch.float32) else 0
     assert head_copy <= extra < head_copy + 2 * 32
+
+
+def test_the_optimized_float32_head_gives_a_row_the_same_logits_alone_and_in_a_batch():
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=256, block_size=16, vocab_size=5000)
+    model = optimize_for_cpu(GPT(cfg).eval(), threads=2)
+    x = torch.randn(40, 256)
+    with torch.no_grad():
+        alone = torch.cat([model.lm_head(x[i : i + 1]) for i in range(40)])  # (40, V)
+        for rows in (2, 5, 32, 40):  # a decode step's rows, however many sequences sample
+            assert torch.equal(model.lm_head(x[:rows]), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
