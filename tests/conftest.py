@@ -1,9 +1,20 @@
+import os
+import secrets
 from pathlib import Path
 
 import pytest
 import torch
 
 from model import GPT, ModelConfig, save_checkpoint
+
+# Ray's token authentication with a token of this run's, written nowhere. Ray reads these once,
+# when it is first imported, and more than one test module imports it: set them before any does.
+for _key, _value in {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(32),
+}.items():
+    os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO / "data" / "shakespeare.txt"
