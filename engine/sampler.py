@@ -3,8 +3,11 @@
 The sampler turns a batch of logits into one token per row, with the token's logprob and the top-N
 alternatives. Logprobs are those of the model's distribution after logit_bias and penalties, before
 temperature and truncation (top-k/top-p/min-p), so they describe the model, not the dice.
-Each seeded row draws its noise from its own generator: its tokens do not depend on its batch
-(with speculative decoding they are still reproducible, but differ from a run without it).
+Each row is sampled as it would be alone: a seeded row draws its noise from its own generator, and
+each row is truncated by its own parameters only. So a seeded request's tokens depend on its batch
+only through its logits: on a CPU in float32 these are the same alone and in any batch to the bit,
+so are its tokens; in bfloat16 and int8 they agree to rounding, and a token can differ where two
+candidates are that close (docs/RELIABILITY.md, "Batch invariance", with the exceptions).
 The sampler runs on the logits' device and reads its results back to the host once per call.
 """
 
