@@ -140,3 +140,12 @@ def server(tiny_checkpoint: Path) -> Iterator[LiveServer]:
 @pytest.fixture()
 def headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    """One headless Chromium for every playground test (tests/server/playground_browser.py)."""
+    from tests.server.playground_browser import chromium
+
+    with chromium() as browser:
+        yield browser

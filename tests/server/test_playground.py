@@ -19,7 +19,6 @@ from playwright.sync_api import Browser, Page, expect
 from tests.server.playground_browser import (
     KEY,
     TIMEOUT_MS,
-    chromium,
     metric,
     needs_chromium,
     open_page,
@@ -34,12 +33,6 @@ pytestmark = needs_chromium
 def server_url(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with serve_with_key(tiny_checkpoint, tmp_path_factory) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with chromium() as browser:
-        yield browser
 
 
 @pytest.fixture()

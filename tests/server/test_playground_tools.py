@@ -15,7 +15,6 @@ from model import GPT, ModelConfig, save_checkpoint
 from tests.server.playground_browser import (
     KEY,
     TIMEOUT_MS,
-    chromium,
     needs_chromium,
     open_page,
     serve_with_key,
@@ -44,12 +43,6 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=1024)), path)
     with serve_with_key(path, tmp_path_factory) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with chromium() as browser:
-        yield browser
 
 
 @pytest.fixture()
