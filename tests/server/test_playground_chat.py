@@ -95,6 +95,14 @@ def test_greedy_answer_streams_into_an_assistant_bubble(page: Page, server_url: 
     expect(page.locator("#tab-chat")).to_have_attribute("aria-selected", "true")
     sent = chat_requests(page)
     settings(page, chat_temperature="0", chat_max_tokens="24")
+    # a slow link, so the stream's events reach the page in several reads even when the tiny
+    # model writes all 24 tokens before the browser has read the first
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": 4096, "uploadThroughput": -1},
+    )
     page.evaluate(  # the token count of the answer at each change of the page
         """() => { window.counts = [];
         new MutationObserver(() => window.counts.push(
