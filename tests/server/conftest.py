@@ -142,9 +142,13 @@ def headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    """One headless Chromium for every playground test (tests/server/playground_browser.py)."""
+    """One headless Chromium per playground test module (tests/server/playground_browser.py).
+
+    Module scope, not session: Playwright's sync API keeps an asyncio loop running in this thread
+    while it is open, and later modules (test_ray.py) call asyncio.run, which refuses to start then.
+    """
     from tests.server.playground_browser import chromium
 
     with chromium() as browser:
