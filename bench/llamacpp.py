@@ -3,6 +3,7 @@
     python bench/llamacpp.py                       # f32, f16, bf16 and q8_0 rows, 3 rounds
     python bench/llamacpp.py --rounds 5 --stat median
     python bench/llamacpp.py --formats f32,q8_0 --threads 1
+    python bench/llamacpp.py --gguf smollm2-135m-instruct --streams 16   # one real file
 
 llama.cpp runs through `llama-cpp-python` (`pip install -e '.[bench]'`, which builds llama.cpp
 from source); without it the table holds gptserve's figures only.
@@ -33,6 +34,11 @@ other processes' load on a shared machine moves much less; with more than one th
 that spin while they wait for one another count too, so `--threads 1` gives the steadiest
 figures on a busy machine.
 
+With `--gguf FILE` (or a known model's name, fetched once as `--model NAME` fetches it) both
+sides load that one file instead: gptserve at the file's own bits, as `python -m server --model
+FILE` serves it; prompts are random ids of its vocabulary. The table then also gives gptserve's
+batched rate over llama.cpp's single stream.
+
 The GGUF writer (`write_gpt2_gguf`, `add_weights`, `add_gpt2_tokenizer`) and the llama.cpp
 driver (`LlamaCpp`, `time_llamacpp`) are meant for other benchmarks too.
 """
@@ -61,6 +67,8 @@ from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
 from bench.host import print_host  # noqa: E402
 from model import GPT, load_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from model.gguf_checkpoint import read_gguf  # noqa: E402
+from model.known_models import FetchError, resolve_model  # noqa: E402
 
 INSTALL_HINT = "pip install -e '.[bench]' (llama-cpp-python builds llama.cpp from source)"
 
@@ -391,9 +399,51 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def random_gpt2_pairs(args, formats: list[str], tmp: str, blocks: int, threads: int,
+                      llama_args: tuple[int, int, int], have_llama: bool) -> list[Pair]:  # fmt: skip
+    """One pair per format on random GPT-2 124M weights: gptserve loads the saved checkpoint in
+    the format's dtype and quantization, llama.cpp the same weights written as GGUF."""
+    hf = hf_model(argparse.Namespace(arch="gpt2", n_layer=12, n_head=12, n_embd=768))
+    hf.save_pretrained(tmp)
+    del hf
+    reference = load_checkpoint(tmp)  # float32, as gptserve loads it
+    gguf_dir = Path(args.keep_gguf or tmp)
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for fmt in formats:
+        dtype, method, _ = PAIRS[fmt]
+        row = Row(fmt, dtype=dtype, quantize=method, config={"prefix_caching": False})
+        served = serve(row, tmp, "cpu", blocks)
+        llama, size = None, 0
+        if have_llama:
+            t0 = time.perf_counter()
+            path = write_gpt2_gguf(gguf_dir / f"gpt2-124m-random-{fmt}.gguf", reference, fmt)
+            size = path.stat().st_size
+            print(f"wrote {path.name} ({size / 1e6:.0f} MB) in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+            llama = llama_side(path, threads, *llama_args)
+        pairs.append(Pair(fmt, gptserve_side(served.engine), llama, (served.weight_bytes, size)))
+    return pairs
+
+
+def gguf_file_pair(path: Path, blocks: int, threads: int, llama_args: tuple[int, int, int],
+                   have_llama: bool) -> Pair:  # fmt: skip
+    """Both sides on one GGUF file: gptserve serves it as `--model FILE` does (at its own bits
+    on a CPU), llama.cpp loads it."""
+    row = Row(path.name, config={"prefix_caching": False})
+    served = serve(row, str(path), "cpu", blocks)
+    llama = llama_side(path, threads, *llama_args) if have_llama else None
+    size = path.stat().st_size
+    return Pair("file", gptserve_side(served.engine), llama, (served.weight_bytes, size))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--formats", default=",".join(PAIRS), help=f"of {', '.join(PAIRS)}")
+    p.add_argument("--gguf", metavar="FILE|NAME",
+                   help="race on this GGUF file, or a known model's name such as "
+                   "smollm2-135m-instruct (fetched once), instead of random GPT-2 weights; "
+                   "--formats is then ignored")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stat", choices=("best", "median"), default="best", help="per side")
     p.add_argument("--threads", type=int, default=None, help="both sides (default: torch's)")
@@ -406,6 +456,14 @@ def main() -> None:
     formats = args.formats.split(",")
     if any(f not in PAIRS for f in formats):
         p.error(f"--formats takes {', '.join(PAIRS)}")
+    gguf_path = None
+    if args.gguf:
+        try:
+            gguf_path = resolve_model(args.gguf)
+        except FetchError as exc:
+            p.error(f"--gguf {args.gguf}: {exc}")
+        if gguf_path.suffix != ".gguf" or not gguf_path.is_file():
+            p.error(f"--gguf {args.gguf}: not a GGUF file")
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -418,41 +476,32 @@ def main() -> None:
     retain_freed_memory()
     new = args.new_tokens
     seq_len = args.prompt_len + new
+    vocab = 50257
+    if gguf_path is not None:
+        vocab = read_gguf(gguf_path).config.vocab_size
+        title = f"{gguf_path.name} (the same file both sides)"
+    else:
+        title = "GPT-2 124M random weights"
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 50257, (args.prompt_len,), generator=gen).tolist()
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.streams)]  # fmt: skip
     pp = [int(n) for n in args.prompts.split(",")]
     work = {"decode x1": (prompts[:1], new), f"decode {args.streams} streams": (prompts, new)}
     for n in pp:  # each prompt-processing row its own random prompt
-        work[f"prompt {n}"] = ([torch.randint(0, 50257, (n,), generator=gen).tolist()], 1)
+        work[f"prompt {n}"] = ([torch.randint(0, vocab, (n,), generator=gen).tolist()], 1)
     blocks = args.streams * -(-(seq_len + 16) // 16) + -(-(max(pp) + 16) // 16)
-    hf = hf_model(argparse.Namespace(arch="gpt2", n_layer=12, n_head=12, n_embd=768))
-    pairs: list[Pair] = []
+    llama_args = (args.streams, seq_len, max(pp))
     with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        del hf
-        reference = load_checkpoint(tmp)  # float32, as gptserve loads it
-        gguf_dir = Path(args.keep_gguf or tmp)
-        gguf_dir.mkdir(parents=True, exist_ok=True)
-        for fmt in formats:
-            dtype, method, _ = PAIRS[fmt]
-            row = Row(fmt, dtype=dtype, quantize=method, config={"prefix_caching": False})
-            served = serve(row, tmp, "cpu", blocks)
-            llama, size = None, 0
-            if not missing:
-                t0 = time.perf_counter()
-                path = write_gpt2_gguf(gguf_dir / f"gpt2-124m-random-{fmt}.gguf", reference, fmt)
-                size = path.stat().st_size
-                print(f"wrote {path.name} ({size / 1e6:.0f} MB) in "
-                      f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
-                llama = llama_side(path, threads, args.streams, seq_len, max(pp))
-            pair = Pair(fmt, gptserve_side(served.engine), llama, (served.weight_bytes, size))
+        if gguf_path is not None:
+            pairs = [gguf_file_pair(gguf_path, blocks, threads, llama_args, not missing)]
+        else:
+            pairs = random_gpt2_pairs(args, formats, tmp, blocks, threads, llama_args,
+                                      not missing)  # fmt: skip
+        for pair in pairs:
             for side in (pair.gptserve, pair.llama):  # warm-up, one sequence and several
                 for batch in (prompts[:1], prompts[:2]):
                     if side is not None:
                         side("warm-up", batch, 4)
-            pairs.append(pair)
-        del reference
 
         for r in range(args.rounds):
             first = "gptserve" if r % 2 == 0 else "llama.cpp"
@@ -467,7 +516,7 @@ def main() -> None:
 
     pick = max if args.stat == "best" else statistics.median
     print(
-        f"\nGPT-2 124M random weights, {threads} threads both sides, prompt {args.prompt_len}, "
+        f"\n{title}, {threads} threads both sides, prompt {args.prompt_len}, "
         f"{new} new tokens, greedy; {args.stat} of {args.rounds} alternating rounds; tok/s; "
         "ratio = gptserve / llama.cpp"
     )
@@ -483,7 +532,7 @@ def main() -> None:
     columns = f"{'gptserve':>9}{'llama.cpp':>11}{'ratio':>7}"
     print(f"{'llama.cpp | gptserve':24}{'':20}{columns}  {columns}")
     for pair in pairs:
-        label = f"{pair.fmt} | {PAIRS[pair.fmt][2]}"
+        label = f"{pair.fmt} | {PAIRS[pair.fmt][2]}" if pair.fmt in PAIRS else pair.fmt
         for i, m in enumerate(work):
             line = f"{label if i == 0 else '':24}{m:20}"
             for rates in (pair.rates, pair.cpu_rates):
@@ -492,6 +541,12 @@ def main() -> None:
                 rest = f"{theirs:11.1f}{ours / theirs:7.2f}" if theirs else f"{'-':>11}{'-':>7}"
                 line += f"{ours:9.1f}{rest}  "
             print(line.rstrip())
+    batched = f"decode {args.streams} streams"
+    for pair in (pair for pair in pairs if pair.llama):
+        ours = pick(pair.rates[("gptserve", batched)])
+        theirs = pick(pair.rates[("llama.cpp", "decode x1")])
+        print(f"{pair.fmt}: gptserve's {args.streams} streams / llama.cpp's single stream, "
+              f"tok/s: {ours / theirs:.2f}")  # fmt: skip
     # greedy tokens of decode x1 (of `new`): the two sides alike, and each side against its own
     # f32 row (reduced precision can change them: the top two logits of random weights are close)
     f32 = next((pair for pair in pairs if pair.fmt == "f32"), None)

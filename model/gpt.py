@@ -37,7 +37,7 @@ def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
 
 Rope = (
     tuple[torch.Tensor, torch.Tensor] | None
-)  # cos, sin (N, head_dim) of each token; None: no rotary
+)  # cos, signed sin (N, 1, head_dim) of each token (model.rotary); None: no rotary
 
 
 def _norm(config: ModelConfig, dim: int) -> nn.Module:
@@ -55,7 +55,6 @@ class CausalSelfAttention(nn.Module):
         self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
         q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        self.split_sizes = (q_width, kv_width, kv_width)
         self.c_attn = nn.Linear(config.n_embd, q_width + 2 * kv_width, bias=config.attn_bias)
         self.c_proj = nn.Linear(q_width, config.n_embd, bias=config.bias)
         if config.qk_norm:  # Qwen3: each head's query and key normalized before the rotation
@@ -66,14 +65,14 @@ class CausalSelfAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., T, C) -> q (..., T, nh, hs), k and v (..., T, n_kv, hs), normed and rotated."""
-        q, k, v = self.c_attn(x).split(self.split_sizes, dim=-1)
-        q = q.unflatten(-1, (self.n_head, self.head_dim))
-        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))
-        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
+        qkv = self.c_attn(x).unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.head_dim))
+        qk, v = qkv.split((self.n_head + self.n_kv_head, self.n_kv_head), dim=-2)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = qk.split((self.n_head, self.n_kv_head), dim=-2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)
+        if rope is not None:  # queries and keys rotated together: one position per token
+            qk = apply_rotary(qk, *rope)
+        q, k = qk.split((self.n_head, self.n_kv_head), dim=-2)  # (..., T, nh | n_kv, hs)
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
@@ -112,7 +111,8 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
-        return self.dropout(self.c_proj(h))
+        h = self.c_proj(h)
+        return self.dropout(h) if self.training else h
 
 
 class Block(nn.Module):

@@ -41,14 +41,20 @@ def rotary_inv_freq(
 def rotary_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) positions -> cos, sin of shape (N, head_dim), computed in float32, cast to dtype."""
+    """(N,) positions -> cos and signed sin, each (N, 1, head_dim), computed in float32 and cast
+    to dtype: sin's first half is negated, so that `apply_rotary` needs no negation per call."""
     angles = positions.float()[:, None] * inv_freq[None, :]  # (N, hd/2)
     emb = torch.cat([angles, angles], dim=-1)  # (N, hd)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[:, : angles.shape[1]].neg_()
+    return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., N, H, hd) by cos/sin (N, hd) of each token's position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate x (..., N, H, hd) by `rotary_cos_sin`'s cos/sin (N, 1, hd) of each token's position.
+
+    x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) is, with the halves swapped
+    by a roll and the sign folded into sin, x * cos + (x2, x1) * (-sin1, sin2): four operations
+    (not `addcmul`, whose fused rounding moves a GGUF model at its bits off its float twin).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -1,8 +1,10 @@
 """The engine's features on a Llama-shaped model with a Hugging Face tokenizer: continuous
-batching, prefix caching, structured output, n-gram speculation, logprobs, stop strings."""
+batching, prefix caching, structured output, n-gram speculation, logprobs, stop strings, and
+bfloat16 and int8 weights."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.engine import Engine, EngineConfig
 from engine.grammar import compile_constraint
+from engine.loader import prepare_for_inference
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig
 from model.hf_tokenizer import HFTokenizer
@@ -156,3 +159,32 @@ def test_any_of_the_models_end_tokens_ends_a_generation(
     assert token_ids(events) == free[: free.index(end) + 1]
     assert events[-1].finish_reason == "stop"
     assert text_of(events) == tok.decode(free[: free.index(end)])
+
+
+@pytest.mark.parametrize(
+    "dtype, quantization",
+    [(torch.bfloat16, "none"), (torch.float32, "int8"), (torch.bfloat16, "int8")],
+    ids=["bf16", "int8", "int8-bf16"],
+)
+def test_reduced_precision_batches_llama_shapes(
+    model: GPT, tok: HFTokenizer, dtype: torch.dtype, quantization: str
+) -> None:
+    """`--dtype bfloat16` and `--quantize int8` serve a Llama-shaped model with grouped-query
+    attention as loaded for the server (CPU wing included). Rounding may move near-ties, so each
+    generated token is checked against the same prepared model's full forward over the text so
+    far: it must be that forward's best token or within rounding of it."""
+    prepared = prepare_for_inference(copy.deepcopy(model).to(dtype), quantization)
+    engine = Engine(prepared, tok, EngineConfig(kv_block_size=8, max_batch_tokens=32))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=16, **GREEDY))
+    out = run(engine)
+    slack = 0.05 if dtype == torch.bfloat16 else 0.02  # of logits that span about 1
+    for i, ids in enumerate(prompts):
+        got = token_ids(out[str(i)])
+        assert len(got) == 16
+        with torch.no_grad():
+            logits = prepared(torch.tensor([ids + got]))[0, len(ids) - 1 : -1].float()  # (16, V)
+        chosen = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+        assert (logits.max(-1).values - chosen).max().item() <= slack
+        assert (chosen == logits.max(-1).values).float().mean().item() >= 0.75

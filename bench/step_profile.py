@@ -1,0 +1,98 @@
+"""Where a decode step's time goes, operation by operation, for any model the server loads.
+
+    python bench/step_profile.py                                   # the default model, 1 stream
+    python bench/step_profile.py --model smollm2-135m-instruct --streams 16 --threads 1
+    python bench/step_profile.py --model PATH --top 25
+
+The model loads as `python -m server --model ...` loads it (`load_for_inference`); `--streams`
+requests of random prompt ids are prefilled, a few decode steps warm up, then `--steps` decode
+steps are timed, then as many run under torch.profiler. The table gives each PyTorch operation's own time per step
+(`self`: its kernel, without the operations it calls) and its calls per step; the last rows say
+how much of the step the operations account for and what is left: Python, the dispatcher and the
+engine's bookkeeping between operations. A step made of many small operations is bound by that
+rest, one made of a few large products by memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.host import print_host  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import load_for_inference  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from model.known_models import resolve_model  # noqa: E402
+
+
+def decode_steps(engine: Engine, steps: int) -> float:
+    """Run `steps` engine steps (every request decoding); returns their seconds."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="as `python -m server --model` (default: its)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default="none")
+    p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=32, help="decode steps profiled")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--top", type=int, default=15, help="operations listed")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_host()
+    path = resolve_model(args.model)
+    loaded = load_for_inference(path, device="cpu", dtype=args.dtype, quantization=args.quantize)
+    model = loaded.model
+    total = args.prompt_len + 2 * args.steps + 16
+    config = EngineConfig(
+        max_num_seqs=args.streams, kv_block_size=16, prefix_caching=False,
+        num_blocks=args.streams * -(-total // 16) + 4,
+    )  # fmt: skip
+    engine = Engine(model, loaded.tokenizer, config)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for i in range(args.streams):
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 12, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    while engine.num_waiting:  # prefill every request
+        engine.step()
+    decode_steps(engine, 8)  # warm-up
+    plain = decode_steps(engine, args.steps) / args.steps  # the step's time without the profiler
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = decode_steps(engine, args.steps) / args.steps
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    per_step = 1e-6 / args.steps  # profiler microseconds -> seconds per step
+    op_time = sum(e.self_cpu_time_total for e in ops) * per_step
+    calls = sum(e.count for e in ops) / args.steps
+
+    print(f"\n{path.name}: {loaded.quantization}, {loaded.dtype}, {args.streams} stream(s), "
+          f"{torch.get_num_threads()} threads; decode step {plain * 1e3:.2f} ms "
+          f"({args.streams / plain:.1f} tok/s), {profiled * 1e3:.2f} ms under the profiler")  # fmt: skip
+    print(f"{'operation':40}{'ms/step':>9}{'share':>7}{'calls/step':>11}{'us/call':>9}")
+    for e in ops[: args.top]:
+        ms = e.self_cpu_time_total * per_step * 1e3
+        print(f"{e.key:40}{ms:9.3f}{ms / (profiled * 1e3):7.1%}{e.count / args.steps:11.1f}"
+              f"{e.self_cpu_time_total / e.count:9.1f}")  # fmt: skip
+    rest = profiled - op_time
+    print(f"{'all aten operations':40}{op_time * 1e3:9.3f}{op_time / profiled:7.1%}{calls:11.1f}")
+    print(f"{'the rest (Python, dispatch, engine)':40}{rest * 1e3:9.3f}{rest / profiled:7.1%}")
+
+
+if __name__ == "__main__":
+    main()
