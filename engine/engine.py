@@ -42,6 +42,9 @@ class EngineConfig:
     speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (needs a draft model)
     num_speculative_tokens: int = 4  # guesses per sequence and step
     speculative_max_batch: int = 4  # no guesses while more sequences decode
+    # a sequence's logits independent of its batch on a CPU in bfloat16 too (the attention's
+    # part; load the model with `load_for_inference(..., batch_invariant=True)` for the rest)
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -80,8 +83,9 @@ class Engine:
             full = config.max_num_seqs * -(-self.max_len // config.kv_block_size)
             num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
         self.cache = KVCache.for_model(
-            model, num_blocks, config.kv_block_size, prefix_caching=config.prefix_caching
-        )
+            model, num_blocks, config.kv_block_size, prefix_caching=config.prefix_caching,
+            batch_invariant=config.batch_invariant,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
         self.runner = ModelRunner(self.model, self.cache)
         if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:

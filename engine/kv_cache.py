@@ -55,12 +55,13 @@ class KVCache:
         prefix_caching: bool = True,
         backend: AttentionBackend | None = None,
         group: int = 1,
+        batch_invariant: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.spec = KVSpec(
             n_layer, num_blocks, block_size, n_kv_head, head_dim, dtype, self.device, group
         )
-        self.backend = backend or select_attention_backend(self.device, dtype)
+        self.backend = backend or select_attention_backend(self.device, dtype, batch_invariant)
         self.k, self.v = self.backend.allocate(self.spec)
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, block_order)
@@ -80,6 +81,7 @@ class KVCache:
         block_order: Sequence[int] | None = None,
         prefix_caching: bool = True,
         backend: AttentionBackend | None = None,
+        batch_invariant: bool = False,
     ) -> KVCache:
         """A cache shaped for `model` (its config's layers and key/value heads), on its device
         and dtype."""
@@ -89,7 +91,7 @@ class KVCache:
             c.n_layer, c.kv_heads, c.head_dim, num_blocks, block_size,
             device=device or p.device, dtype=dtype or p.dtype,
             block_order=block_order, prefix_caching=prefix_caching, backend=backend,
-            group=c.n_head // c.kv_heads,
+            group=c.n_head // c.kv_heads, batch_invariant=batch_invariant,
         )  # fmt: skip
 
     @staticmethod

@@ -30,7 +30,13 @@ from model.cpu.malloc_tuning import release_freed_memory, retain_freed_memory
 from model.dtypes import DTYPES
 from model.gpt import GPT
 from model.int4_linear import int4_supported
-from model.quantize import QuantizeError, check_quantization, quantize, weight_bytes
+from model.quantize import (
+    QuantizeError,
+    check_quantization,
+    keep_int8_kernel,
+    quantize,
+    weight_bytes,
+)
 from model.tokenizer import TextTokenizer, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,8 +80,9 @@ def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.dev
 
 
 def check_load(
-    device: str = "auto", dtype: str = "auto", quantization: str = "none"
-) -> tuple[torch.device, torch.dtype]:
+    device: str = "auto", dtype: str = "auto", quantization: str = "none",
+    batch_invariant: bool = False,
+) -> tuple[torch.device, torch.dtype]:  # fmt: skip
     """The checks that need no loading: the device, the dtype, and the quantization with both.
     Returns the resolved device and dtype; raises ModelLoadError."""
     resolved, torch_dtype = resolve_device(device, dtype)
@@ -83,6 +90,11 @@ def check_load(
         check_quantization(quantization, resolved, torch_dtype)
     except QuantizeError as exc:
         raise ModelLoadError(str(exc)) from None
+    if batch_invariant and (resolved.type != "cpu" or torch_dtype == torch.float16):
+        raise ModelLoadError(
+            "--batch-invariant holds on a CPU in float32 or bfloat16 (with or without "
+            f"--quantize int8), not on {resolved.type} in {str(torch_dtype).removeprefix('torch.')}"
+        )
     return resolved, torch_dtype
 
 
@@ -116,14 +128,22 @@ def load_for_inference(
     dtype: str = "auto",
     quantization: str = "none",
     draft_path: str | Path | None = None,
+    batch_invariant: bool = False,
 ) -> InferenceModel:
     """Load a checkpoint (ours, a Hugging Face directory or a GGUF file) ready to serve; raises
-    ModelLoadError with a one-line message."""
+    ModelLoadError with a one-line message.
+
+    `batch_invariant`: the model's products compute a row alike whatever the row count (int8
+    keeps its int8 kernel), the part of batch invariance that is the model's; the engine's
+    `EngineConfig.batch_invariant` is the attention's part.
+    """
     path = Path(path)
-    resolved, torch_dtype = check_load(device, dtype, quantization)
+    resolved, torch_dtype = check_load(device, dtype, quantization, batch_invariant)
     retain_freed_memory()  # process-wide; before the weights are allocated
     try:
         model = quantize(_load(path, resolved, torch_dtype, quantization), quantization)
+        if batch_invariant:
+            keep_int8_kernel(model)
         size = weight_bytes(model)
         model = optimize_for_cpu(model)
         draft = None

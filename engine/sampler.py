@@ -6,8 +6,10 @@ temperature and truncation (top-k/top-p/min-p), so they describe the model, not 
 Each row is sampled as it would be alone: a seeded row draws its noise from its own generator, and
 each row is truncated by its own parameters only. So a seeded request's tokens depend on its batch
 only through its logits: on a CPU in float32 these are the same alone and in any batch to the bit,
-so are its tokens; in bfloat16 and int8 they agree to rounding, and a token can differ where two
-candidates are that close (docs/RELIABILITY.md, "Batch invariance", with the exceptions).
+so are its tokens; in bfloat16, int8 and a GGUF file's bits they agree to rounding, and a token
+can differ where two candidates are that close, unless the server runs with `--batch-invariant`
+(`EngineConfig.batch_invariant` and `load_for_inference(..., batch_invariant=True)`), which makes
+them equal to the bit there too (docs/RELIABILITY.md, "Batch invariance", with the exceptions).
 The sampler runs on the logits' device and reads its results back to the host once per call.
 """
 

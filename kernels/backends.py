@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kernels.cpu.cascade import CascadePlan, plan_cascade, prefill_attention_cpu
-from kernels.cpu.decode import DecodePlan, decode_attention_cpu, plan_decode
+from kernels.cpu.decode import UPCAST_ELEMENTS, DecodePlan, decode_attention_cpu, plan_decode
 from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
 from kernels.sdpa_paged import GatherPlan, paged_attention_sdpa, plan_gather
 from kernels.triton import available as triton_available
@@ -166,9 +166,13 @@ class CpuPagedPlan(AttentionPlan):
 @dataclass
 class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     """Head-major pools on a CPU. `cascade=False` leaves every prefill to gather + SDPA (what
-    the cascade is measured against)."""
+    the cascade is measured against). `batch_invariant`: the decode attention multiplies
+    bfloat16 and float16 keys in their dtype whatever the step's size (by default a small step
+    is upcast to float32, which is faster there but makes a sequence's result depend on its
+    batch)."""
 
     cascade: bool = True
+    batch_invariant: bool = False
 
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return _head_major(spec)
@@ -197,12 +201,17 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan,
         sm_scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
+        upcast = 0 if self.batch_invariant else UPCAST_ELEMENTS
         if plan.rest is None:
-            return decode_attention_cpu(q, k_pool, v_pool, plan.decodes, sm_scale, plan.decode)
+            return decode_attention_cpu(
+                q, k_pool, v_pool, plan.decodes, sm_scale, plan.decode, upcast
+            )
         if plan.decodes is None:
             return self._rest(q, k_pool, v_pool, plan, sm_scale)
         n = plan.decodes.num_seqs  # one token each
-        first = decode_attention_cpu(q[:n], k_pool, v_pool, plan.decodes, sm_scale, plan.decode)
+        first = decode_attention_cpu(
+            q[:n], k_pool, v_pool, plan.decodes, sm_scale, plan.decode, upcast
+        )
         return torch.cat([first, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
 
     @staticmethod
@@ -235,12 +244,15 @@ class SdpaGatherBackend(AttentionBackend[SdpaGatherPlan]):
         return paged_attention_sdpa(q, k_pool, v_pool, plan.meta, sm_scale, plan.gather)
 
 
-def select_attention_backend(device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+def select_attention_backend(
+    device: torch.device | str, dtype: torch.dtype, batch_invariant: bool = False
+) -> AttentionBackend:
     """The backend for pools of `dtype` on `device`: the CPU paths on a CPU, Triton on CUDA
-    (where triton is installed and has the dtype), gather + SDPA anywhere else."""
+    (where triton is installed and has the dtype), gather + SDPA anywhere else.
+    `batch_invariant` is for the CPU paths (`CpuPagedBackend`); elsewhere nothing promises it."""
     device = torch.device(device)
     if device.type == "cpu":
-        return CpuPagedBackend()
+        return CpuPagedBackend(batch_invariant=batch_invariant)
     if device.type == "cuda" and dtype in TRITON_DTYPES and triton_available():
         return TritonBackend()
     return SdpaGatherBackend()

@@ -78,7 +78,9 @@ class RefinedHead(nn.Module):
         hidden = x.reshape(-1, x.shape[-1]).float()  # (M, C)
         top = flat.topk(min(self.refine, flat.shape[-1]), dim=-1).indices  # (M, k)
         weights = self.table(top)  # (M, k, C) float32, exact
-        exact = torch.bmm(weights, hidden.unsqueeze(-1)).squeeze(-1)  # (M, k)
+        # products and sums per row (a bmm of M matrix-vector products rounds a row differently
+        # when M is 1: the row's logits would depend on its batch)
+        exact = (weights * hidden[:, None, :]).sum(-1)  # (M, k)
         flat.scatter_(1, top, exact.to(flat.dtype))
         return flat.view(logits.shape)
 

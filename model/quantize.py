@@ -16,7 +16,8 @@ What the product supports in PyTorch 2.13, and what follows here:
   copied first (either one crashes the process otherwise);
 - it multiplies blocks of 4 rows, reading the weights again for each block, so it is bound by
   arithmetic beyond a few rows: from `MANY_ROWS` rows on, the weights are dequantized for the
-  call and multiplied by the ordinary product instead (`python bench/cpu_parts.py` measures both).
+  call and multiplied by the ordinary product instead (`python bench/cpu_parts.py` measures both),
+  unless the row's result must not depend on the row count (`keep_int8_kernel`).
 
 The model is for inference only afterwards (no gradients), and `save_checkpoint` refuses it:
 save the model as loaded, not a quantized one.
@@ -75,12 +76,15 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, many_rows: int | None = MANY_ROWS
+) -> torch.Tensor:
     """(M, K) x (N, K) int8 weight, (N,) scales -> (M, N) in x's dtype (x, scales same dtype).
 
-    K is a multiple of `K_MULTIPLE` (the caller pads); x is contiguous.
+    K is a multiple of `K_MULTIPLE` (the caller pads); x is contiguous. From `many_rows` rows on
+    (never with None) the weights are dequantized and multiplied by the ordinary product.
     """
-    if x.shape[0] >= MANY_ROWS:
+    if many_rows is not None and x.shape[0] >= many_rows:
         return F.linear(x, weight.to(x.dtype)) * scales  # (M, N)
     if x.device.type == "cpu" and x.data_ptr() % ALIGN_BYTES:
         x = x.clone()  # a fresh allocation is aligned
@@ -124,6 +128,7 @@ class Int8Linear(nn.Module):
         self.pad = -self.in_features % K_MULTIPLE
         self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
         self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
+        self.many_rows: int | None = MANY_ROWS  # None: the int8 kernel at every row count
         self.bias = None
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
@@ -134,7 +139,7 @@ class Int8Linear(nn.Module):
         rows = rows.to(self.op_dtype).contiguous()
         if self.pad:
             rows = F.pad(rows, (0, self.pad))  # (M, in + pad)
-        y = int8_matmul(rows, self.weight, self.scales)  # (M, out) in op_dtype
+        y = int8_matmul(rows, self.weight, self.scales, self.many_rows)  # (M, out) in op_dtype
         if self.bias is not None:
             y = torch.add(self.bias, y)  # in the bias's dtype: the add is the cast back
         if y.dtype != x.dtype:
@@ -160,6 +165,15 @@ class Int8Embedding(nn.Module):
     def forward(self, index: torch.Tensor) -> torch.Tensor:
         """(...) token ids -> (..., C)."""
         return self.source.rows(index)
+
+
+def keep_int8_kernel(model: nn.Module) -> None:
+    """Make every int8 product of `model` take the int8 kernel at every row count, so a row's
+    result does not depend on how many rows are multiplied with it (batch invariance); a batch
+    of `MANY_ROWS` rows and more is then slower (docs/RELIABILITY.md has the cost)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.many_rows = None
 
 
 def is_quantized(model: nn.Module) -> bool:

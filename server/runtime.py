@@ -51,7 +51,7 @@ def preflight(settings: Settings) -> None:
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if name is None and path.suffix != ".gguf" and not path.is_dir():
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
-    check_load(settings.device, settings.dtype, settings.quantize)
+    check_load(settings.device, settings.dtype, settings.quantize, settings.batch_invariant)
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -64,6 +64,7 @@ def load_model(settings: Settings) -> LoadedModel:
     loaded = load_for_inference(
         path, device=settings.device, dtype=settings.dtype,
         quantization=settings.quantize, draft_path=settings.draft_model,
+        batch_invariant=settings.batch_invariant,
     )  # fmt: skip
     try:
         override = Path(settings.chat_template) if settings.chat_template else None
@@ -138,6 +139,7 @@ class ServerState:
             prefix_caching=not settings.no_prefix_cache,
             speculative="draft" if settings.draft_model else settings.speculative,
             num_speculative_tokens=settings.num_speculative_tokens,
+            batch_invariant=settings.batch_invariant,
         )
         async_engine = AsyncEngine(
             lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft),

@@ -133,6 +133,13 @@ class Settings:
         False, "turn off automatic prefix caching (reusing the KV blocks of prompt prefixes "
         "seen before)", group="engine",
     )  # fmt: skip
+    batch_invariant: bool = flag(
+        False, "a request's tokens and logprobs do not depend on what else runs in its batch "
+        "in bfloat16, int8 and a GGUF file's bits too (float32 holds without it): the CPU "
+        "decode attention keeps the cache's dtype and int8 products keep their int8 kernel at "
+        "every row count, which slows bfloat16 and large int8 batches (docs/RELIABILITY.md); "
+        "CPU only, not with speculative decoding", group="engine",
+    )  # fmt: skip
     max_consecutive_failed_steps: int = flag(
         3, "engine steps failing in a row after which the engine takes no more work: /health "
         "and new requests answer 503 engine_unhealthy (a step that succeeds resets the count)",
@@ -198,6 +205,11 @@ class Settings:
                 raise SettingsError(f"{what} must be > 0")
         if self.speculative and self.draft_model:
             raise SettingsError("--speculative ngram and --draft-model exclude each other")
+        if self.batch_invariant and (self.speculative or self.draft_model):
+            raise SettingsError(
+                "--batch-invariant cannot hold with speculative decoding (whether a sequence "
+                "guesses depends on how many others decode)"
+            )
         if self.draft_model is not None and not Path(self.draft_model).is_dir():
             raise SettingsError(f"--draft-model: no checkpoint directory {self.draft_model}")
         if any(not key for key in self.api_keys):

@@ -187,9 +187,13 @@ def is_head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None, plan: DecodePlan | None = None,
+    upcast_elements: int = UPCAST_ELEMENTS,
 ) -> torch.Tensor:  # fmt: skip
     """(B, H, D) decode queries against head-major paged K/V of H_kv heads (`is_head_major`;
     H a multiple of H_kv).
+
+    Reduced-precision keys and values are multiplied in float32 when the step reads at most
+    `upcast_elements` of them (0: never, so a sequence's result does not depend on its batch).
 
     Same contract as `kernels.reference.paged_attention_reference`, for a decode step: every
     sequence has exactly one new token. `plan` is the step's `plan_decode(meta, ...)`, which
@@ -207,7 +211,7 @@ def decode_attention_cpu(
     if plan.stale is not None:
         v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
     keys, values = _read(k_tiles, v_tiles, plan.run, plan.blocks)  # (R0, H_kv, bs, D)
-    if keys.dtype != torch.float32 and keys.numel() <= UPCAST_ELEMENTS:
+    if keys.dtype != torch.float32 and keys.numel() <= upcast_elements:
         keys, values, q = keys.float(), values.float(), q.float()  # faster in float32 (above)
     batch, width = plan.seq_rows.shape
     scale = sm_scale if sm_scale is not None else head_dim**-0.5

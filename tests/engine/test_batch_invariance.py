@@ -1,9 +1,11 @@
 """A seeded sampled request gets the same tokens and logprobs alone and among 31 other requests, in
 each format the server offers on a CPU, loaded as the server loads it.
 
-Float32 with the CPU wing holds to the bit. The other formats agree only to rounding, and these
-cases are expected to fail (strictly: one that passes fails, so the mark goes when they hold); see
-docs/RELIABILITY.md, "Batch invariance". The model is small but wide enough (512 channels, a
+Float32 with the CPU wing holds to the bit. By default the other formats agree only to rounding,
+and these cases are expected to fail (strictly: one that passes fails, so the mark goes when they
+hold); with `--batch-invariant` (load_for_inference's and EngineConfig's `batch_invariant`) they
+hold to the bit, and so does a GGUF file at its own bits; see docs/RELIABILITY.md, "Batch
+invariance". The model is small but wide enough (512 channels, a
 2048-channel feed-forward) for the row-count kernel switches that moved the logits: oneDNN's
 one-row kernel for wide inputs, a head that changed kernels on the row count.
 """
@@ -17,9 +19,11 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import load_for_inference
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, save_checkpoint
+from tests.model.test_gguf import VOCAB as GGUF_VOCAB
+from tests.model.test_gguf import write_gguf
 
-BF16 = "bfloat16: the decode attention upcasts by the batch's keys; one-row products differ"
-INT8 = "int8: the products dequantize the weights from 16 rows on"
+BF16 = "bfloat16: the decode attention upcasts a step of few keys to float32 (not with the flag)"
+INT8 = "int8: the products dequantize the weights from 16 rows on (not with the flag)"
 FORMATS = [
     pytest.param("float32", "none", id="fp32"),
     pytest.param("bfloat16", "none", id="bf16", marks=pytest.mark.xfail(strict=True, reason=BF16)),
@@ -38,7 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
-def _others(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+def _others(n: int, seed: int, vocab: int = 50000) -> list[tuple[list[int], SamplingParams]]:
     """Requests of every kind around the seeded one: prompts of 3-60 tokens, greedy and sampled,
     truncated, penalised, seeded or not, ending at different lengths."""
     rng = random.Random(seed)
@@ -50,7 +54,7 @@ def _others(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     ]
     return [
         (
-            [rng.randrange(50000) for _ in range(rng.randrange(3, 61))],
+            [rng.randrange(vocab) for _ in range(rng.randrange(3, 61))],
             SamplingParams(max_tokens=rng.randrange(10, 60), ignore_eos=True, **kinds[i % 4]),
         )
         for i in range(n)
@@ -83,11 +87,46 @@ def _generate(engine: Engine, prompt: list[int], others) -> tuple[list[int], lis
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_full_batch(
     checkpoint, dtype, quantization
 ):
-    loaded = load_for_inference(checkpoint, device="cpu", dtype=dtype, quantization=quantization)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_num_seqs=32))
-    prompt = loaded.tokenizer.encode("To be, or not to be, that is the question:")
+    _check_alone_and_together(checkpoint, dtype, quantization, batch_invariant=False)
+
+
+@pytest.mark.parametrize(
+    "dtype, quantization",
+    [("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8")],
+    ids=["bf16", "int8", "int8-bf16"],
+)
+def test_batch_invariant_mode_holds_in_every_format(checkpoint, dtype, quantization):
+    """`--batch-invariant`: the formats that agree only to rounding by default agree to the bit."""
+    _check_alone_and_together(checkpoint, dtype, quantization, batch_invariant=True)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_batch_invariant_mode_holds_for_a_gguf_file_at_its_bits(tmp_path, kind: str):
+    """A Llama-shaped GGUF file served at its own bits (int4 products; a quantized token table
+    as the head, refined by exact rows, whose one-row product once rounded otherwise), as
+    `--model FILE.gguf --batch-invariant` serves it."""
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf(path, "llama", kind, tied=True)
+    vocab = GGUF_VOCAB - 1  # not its end token
+    _check_alone_and_together(
+        path, "float32", "none", batch_invariant=True, prompt=list(range(40, 60)), vocab=vocab
+    )
+
+
+def _check_alone_and_together(
+    path, dtype: str, quantization: str, batch_invariant: bool,
+    prompt: list[int] | None = None, vocab: int = 50000,
+) -> None:  # fmt: skip
+    loaded = load_for_inference(
+        path, device="cpu", dtype=dtype, quantization=quantization,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
+    config = EngineConfig(max_num_seqs=32, batch_invariant=batch_invariant)
+    engine = Engine(loaded.model, loaded.tokenizer, config)
+    if prompt is None:
+        prompt = loaded.tokenizer.encode("To be, or not to be, that is the question:")
     alone = _generate(engine, prompt, [])
-    together = _generate(engine, prompt, _others(31, seed=5))
+    together = _generate(engine, prompt, _others(31, seed=5, vocab=vocab))
     assert len(alone[0]) == 40 and len(set(alone[0])) > 10  # sampled text, not one token
     assert together[0] == alone[0]
     assert together[1] == alone[1]  # logprobs to the bit: the logits did not move either

@@ -14,9 +14,9 @@ from engine.loader import (
     prepare_for_inference,
     resolve_device,
 )
-from model import GPT, ModelConfig, load_checkpoint
+from model import GPT, ModelConfig, load_checkpoint, save_checkpoint
 from model.cpu import is_optimized_for_cpu
-from model.quantize import Int8Linear, is_quantized
+from model.quantize import MANY_ROWS, Int8Linear, is_quantized
 
 TOKENS = torch.tensor([[1, 2, 3, 4]])
 
@@ -118,3 +118,18 @@ def test_prepare_quantizes_before_the_cpu_layouts():
     assert prepared is model
     assert isinstance(model.lm_head, Int8Linear)  # the CPU wing left the int8 head as it was
     assert isinstance(model.transformer.h[0].attn.c_attn, Int8Linear)
+
+
+def test_batch_invariance_is_asked_where_it_holds(tmp_path):
+    """--batch-invariant: refused in one line where it cannot hold; on a CPU the int8 products
+    keep their int8 kernel at every row count."""
+    with pytest.raises(ModelLoadError, match="--batch-invariant holds on a CPU"):
+        check_load("cpu", "float16", "none", batch_invariant=True)
+    path = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    save_checkpoint(GPT(ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=32)), path)
+    for invariant, many_rows in ((False, MANY_ROWS), (True, None)):
+        loaded = load_for_inference(path, device="cpu", quantization="int8",
+                                    batch_invariant=invariant)  # fmt: skip
+        layers = [m for m in loaded.model.modules() if isinstance(m, Int8Linear)]
+        assert layers and all(m.many_rows == many_rows for m in layers)

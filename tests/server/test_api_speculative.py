@@ -47,3 +47,11 @@ def test_speculation_flags_are_checked(tiny_checkpoint: Path, tmp_path: Path):
         Settings(draft_model=str(tmp_path / "missing")).validate()
     with pytest.raises(SettingsError, match="--num-speculative-tokens"):
         Settings(num_speculative_tokens=0).validate()
+
+
+def test_batch_invariance_excludes_speculation(tiny_checkpoint: Path):
+    with pytest.raises(SettingsError, match="--batch-invariant cannot hold"):
+        Settings(batch_invariant=True, speculative="ngram").validate()
+    with pytest.raises(SettingsError, match="--batch-invariant cannot hold"):
+        Settings(batch_invariant=True, draft_model=str(tiny_checkpoint)).validate()
+    Settings(batch_invariant=True).validate()
