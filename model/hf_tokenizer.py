@@ -42,6 +42,7 @@ class HFTokenizer:
         add_bos: bool | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._plain: RustTokenizer | None = None  # see `_plain_tokenizer`
         self.name = name
         text = tokenizer.to_str()
         spec = json.loads(text)
@@ -64,7 +65,7 @@ class HFTokenizer:
             raise TokenizerError("the tokenizer names no end-of-text token (eos_token)")
         self.eot_token: int = ends[0]
         self.eos_token_ids: list[int] = ends
-        self._plain = _without_added_tokens(spec) if added else tokenizer
+        self._has_added = bool(added)
         # whether encode(..., add_special_tokens=True) prepends BOS: the post-processor says so
         self.add_bos = (
             add_bos
@@ -74,6 +75,15 @@ class HFTokenizer:
                 and tokenizer.encode("a", add_special_tokens=True).ids[:1] == [self.bos_token_id]
             )
         )
+
+    def _plain_tokenizer(self) -> RustTokenizer:
+        """The tokenizer without its added tokens, made on first use (structured output's
+        grammar spells its strings with it): for SmolLM2's vocabulary it holds 14 MB."""
+        if not self._has_added:
+            return self._tok
+        if self._plain is None:
+            self._plain = _without_added_tokens(json.loads(self._tok.to_str()))
+        return self._plain
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -86,7 +96,7 @@ class HFTokenizer:
         """Text -> ids. Added tokens written in the text are single tokens unless allow_special
         is False; add_special_tokens adds what the tokenizer adds around a prompt (BOS)."""
         if allow_special is False:
-            ids = self._plain.encode(text, add_special_tokens=False).ids
+            ids = self._plain_tokenizer().encode(text, add_special_tokens=False).ids
             return ([self.bos_token_id] if add_special_tokens and self.add_bos else []) + ids
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_token_id] if add_special_tokens and self.add_bos else []) + ids

@@ -275,6 +275,7 @@ def test_smollm2_serves_in_little_more_memory_than_its_file(smollm2: Path) -> No
     )
     assert served["weights"] <= size
     assert model <= 1.5 * size
+    assert served["resident"] <= 1.5 * size  # the tokenizer included (the goal)
 
 
 def test_smollm2_at_its_bits_answers_paris(smollm2: Path) -> None:
