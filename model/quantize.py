@@ -15,9 +15,12 @@ What the product supports in PyTorch 2.13, and what follows here:
   multiple of 16 are zero-padded, and an input that does not start on a 64-byte boundary is
   copied first (either one crashes the process otherwise);
 - it multiplies blocks of 4 rows, reading the weights again for each block, so it is bound by
-  arithmetic beyond a few rows: from `MANY_ROWS` rows on, the weights are dequantized for the
-  call and multiplied by the ordinary product instead (`python bench/cpu_parts.py` measures both),
-  unless the row's result must not depend on the row count (`keep_int8_kernel`).
+  arithmetic beyond a few rows: from `MANY_ROWS` rows on, the weights are dequantized to
+  bfloat16 for the call and multiplied by the ordinary product instead, where that product is
+  native (`model.cpu.isa.fast_bfloat16_products`: AVX-512 BF16 or AMX). Without native
+  bfloat16 products (AVX2 hosts) the dequantized product loses at every row count measured,
+  2-3x at 16 and 32 rows, so the int8 kernel is kept throughout; and so it is when a row's result must not depend on the row count
+  (`keep_int8_kernel`). `python bench/cpu_parts.py` measures both.
 
 The model is for inference only afterwards (no gradients), and `save_checkpoint` refuses it:
 save the model as loaded, not a quantized one.
@@ -33,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.cpu.isa import fast_bfloat16_products
 from model.gpt import GPT
 from model.int4_linear import Int4Linear
 
@@ -40,6 +44,13 @@ QUANTIZATIONS = ("none", "int8", "dequantize")
 K_MULTIPLE = 16  # input channels the CPU kernel reads at a time
 ALIGN_BYTES = 64  # the CPU kernel's aligned loads need 32; PyTorch's allocator gives 64
 MANY_ROWS = 16  # from this many rows on, dequantize and use the ordinary product (CPU-measured)
+
+
+def dequantize_from_rows(device: torch.device) -> int | None:
+    """From how many rows an int8 product on `device` dequantizes its weights (None: never)."""
+    if device.type == "cpu" and not fast_bfloat16_products():
+        return None
+    return MANY_ROWS
 
 
 class QuantizeError(ValueError):
@@ -128,7 +139,8 @@ class Int8Linear(nn.Module):
         self.pad = -self.in_features % K_MULTIPLE
         self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
         self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
-        self.many_rows: int | None = MANY_ROWS  # None: the int8 kernel at every row count
+        # None: the int8 kernel at every row count
+        self.many_rows: int | None = dequantize_from_rows(q.device)
         self.bias = None
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
@@ -170,7 +182,8 @@ class Int8Embedding(nn.Module):
 def keep_int8_kernel(model: nn.Module) -> None:
     """Make every int8 product of `model` take the int8 kernel at every row count, so a row's
     result does not depend on how many rows are multiplied with it (batch invariance); a batch
-    of `MANY_ROWS` rows and more is then slower (docs/RELIABILITY.md has the cost)."""
+    of `MANY_ROWS` rows and more is then slower where bfloat16 products are native
+    (docs/RELIABILITY.md has the cost)."""
     for module in model.modules():
         if isinstance(module, Int8Linear):
             module.many_rows = None

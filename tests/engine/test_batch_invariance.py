@@ -19,18 +19,29 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import load_for_inference
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, save_checkpoint
+from model.quantize import dequantize_from_rows
 from tests.model.test_gguf import VOCAB as GGUF_VOCAB
 from tests.model.test_gguf import write_gguf
 
 BF16 = "bfloat16: the decode attention upcasts a step of few keys to float32 (not with the flag)"
 INT8 = "int8: the products dequantize the weights from 16 rows on (not with the flag)"
+# where bfloat16 products are not native (AVX2 hosts) int8 keeps its kernel at every row count
+INT8_SWITCHES = dequantize_from_rows(torch.device("cpu")) is not None
 FORMATS = [
     pytest.param("float32", "none", id="fp32"),
     pytest.param("bfloat16", "none", id="bf16", marks=pytest.mark.xfail(strict=True, reason=BF16)),
-    pytest.param("float32", "int8", id="int8", marks=pytest.mark.xfail(strict=True, reason=INT8)),
     pytest.param(
-        "bfloat16", "int8", id="int8-bf16", marks=pytest.mark.xfail(strict=True, reason=INT8)
-    ),
+        "float32",
+        "int8",
+        id="int8",
+        marks=pytest.mark.xfail(INT8_SWITCHES, strict=True, reason=INT8),
+    ),  # fmt: skip
+    pytest.param(
+        "bfloat16",
+        "int8",
+        id="int8-bf16",
+        marks=pytest.mark.xfail(strict=True, reason=f"{BF16}; {INT8}"),
+    ),  # fmt: skip
 ]
 
 

@@ -2,6 +2,10 @@
 and the bundled model's validation loss in int8 and bfloat16 against float32."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 
 from model import GPT, SHAKESPEARE_DIR, ModelConfig, load_checkpoint
 from model.cpu import optimize_for_cpu
+from model.cpu.isa import fast_bfloat16_products
 from model.quantize import (
     MANY_ROWS,
     Int8Embedding,
@@ -22,6 +27,7 @@ from model.quantize import (
     weight_bytes,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(n_layer=2, n_head=2, n_embd=40, block_size=32, vocab_size=101)
 
 
@@ -231,3 +237,21 @@ def test_the_default_model_loses_under_1_percent_of_its_validation_loss(
     loss = validation_loss(model, held_out_windows)
     assert 4.0 < float32_loss < 5.2  # the model README's 4.585 is over other windows
     assert abs(loss - float32_loss) <= 0.01 * float32_loss, (loss, float32_loss)
+
+
+def test_without_native_bfloat16_products_int8_keeps_its_kernel():
+    """On an AVX2 host the dequantized bfloat16 product loses at every row count, so it is never
+    taken: checked with PyTorch's kernels limited to AVX2 in a fresh process (as on such a host),
+    and with this host's own kernels against the rule's input."""
+    probe = (
+        "import torch; from model.cpu.isa import fast_bfloat16_products as f; "
+        "from model.quantize import Int8Linear; "
+        "print(f(), Int8Linear(torch.nn.Linear(32, 16)).many_rows)"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "None"]
+    expected = MANY_ROWS if fast_bfloat16_products() else None
+    assert Int8Linear(nn.Linear(32, 16)).many_rows == expected
