@@ -220,11 +220,18 @@ def test_smollm2_at_its_bits_agrees_with_its_float_weights(smollm2: Path) -> Non
     with torch.no_grad():
         want = load_checkpoint(smollm2)(idx)[0]
         got = load_checkpoint(smollm2, low_bit=True)(idx)[0]
-    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    choice = got.argmax(-1)
+    agreement = (choice == want.argmax(-1)).float().mean().item()
     loss = torch.nn.functional.cross_entropy(got, targets).item()
     float_loss = torch.nn.functional.cross_entropy(want, targets).item()
-    print(f"top-1 agreement {agreement:.4f}, loss {loss:.4f} (float {float_loss:.4f})")
-    assert agreement >= 0.99
+    # where the two disagree, how far below the float model's best its choice scores
+    gaps = want.max(-1).values - want.gather(1, choice[:, None])[:, 0]  # (512,)
+    print(f"top-1 agreement {agreement:.4f}, loss {loss:.4f} (float {float_loss:.4f}), "
+          f"largest float gap of a disagreement {gaps.max().item():.4f}")  # fmt: skip
+    # 99.0 % with AVX-512 kernels, 98.8 % with AVX2 ones (docs/GUIDE.md): the kernels round
+    # differently, and only near-ties move
+    assert agreement >= 0.985
+    assert gaps.max().item() <= 0.05  # each disagreement a near-tie of the float model's
     assert abs(loss - float_loss) <= 0.01 * float_loss
 
 
