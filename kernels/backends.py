@@ -96,8 +96,10 @@ class AttentionBackend(ABC, Generic[PlanT]):
     ) -> None:  # fmt: skip
         """Store the new tokens' keys and values (N, H_kv, D) in one layer's pools."""
         where = (at.block, at.offset)
-        k_pool.index_put_(where, k.to(k_pool.dtype))
-        v_pool.index_put_(where, v.to(v_pool.dtype))
+        if k.dtype != k_pool.dtype:
+            k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
+        k_pool.index_put_(where, k)
+        v_pool.index_put_(where, v)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,

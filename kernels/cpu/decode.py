@@ -199,9 +199,9 @@ def decode_attention_cpu(
     sequence has exactly one new token. `plan` is the step's `plan_decode(meta, ...)`, which
     every layer shares; without it, one is built for this call.
     """
-    if not is_head_major(k_cache, v_cache):
-        raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H_kv, bs, D)
+    if not (k_tiles.is_contiguous() and v_tiles.is_contiguous()):  # `is_head_major`
+        raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     out_dtype = q.dtype
     n_kv, bs, head_dim = k_tiles.shape[1:]
     n_head = q.shape[1]
@@ -231,11 +231,14 @@ def decode_attention_cpu(
     # one softmax per sequence and head over all its keys, laid out in table order
     by_seq = _by_sequence(scores, plan, float("-inf"))  # (B, nb, H, bs)
     flat = by_seq.transpose(1, 2).reshape(batch, n_head, width * bs)
-    probs = torch.softmax(flat.float(), dim=-1).view(batch, n_head, width, bs)
+    if flat.dtype != torch.float32:  # (a Python check costs less than a no-op call)
+        flat = flat.float()
+    probs = torch.softmax(flat, dim=-1).view(batch, n_head, width, bs)
     row_probs = probs.transpose(1, 2).reshape(batch * width, n_head, bs)
     if not plan.in_order:
         row_probs = row_probs.index_select(0, plan.row_place)
-    row_probs = row_probs.to(values.dtype)  # (R, H, bs)
+    if row_probs.dtype != values.dtype:
+        row_probs = row_probs.to(values.dtype)  # (R, H, bs)
     out = torch.bmm(
         row_probs[:n0].reshape(n0 * n_kv, group, bs), values.reshape(n0 * n_kv, bs, head_dim)
     ).view(n0, n_head, head_dim)  # (R0, H, D): each block's share of its sequence's output
@@ -243,7 +246,8 @@ def decode_attention_cpu(
         sh_probs = _slots_by_block(row_probs[n0:], plan.shared.width, n_kv)  # (Rb*H_kv, Mb*G, bs)
         sh_out = torch.bmm(sh_probs, sh_values.reshape(-1, bs, head_dim))  # (Rb*H_kv, Mb*G, D)
         out = torch.cat([out, _rows_by_slot(sh_out, plan.shared.width, n_head)])  # (R, H, D)
-    return _by_sequence(out, plan, 0.0).sum(1).to(out_dtype)  # (B, H, D), summed in table order
+    out = _by_sequence(out, plan, 0.0).sum(1)  # (B, H, D), summed in table order
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _read(
