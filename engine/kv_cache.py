@@ -63,6 +63,8 @@ class KVCache:
         )
         self.backend = backend or select_attention_backend(self.device, dtype, batch_invariant)
         self.k, self.v = self.backend.allocate(self.spec)
+        # each layer's pools as views made once: indexing self.k per layer and step costs more
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, block_order)
         self.prefix_caching = prefix_caching
@@ -292,10 +294,10 @@ class KVCache:
     ) -> torch.Tensor:
         """Store one layer's new keys/values (N, H_kv, D) at the step's slots, then attend the
         new tokens' queries (N, H, D) over their sequences' cache: (N, H, D)."""
-        return self.backend.forward(q, k, v, self.k[layer], self.v[layer], plan)
+        return self.backend.forward(q, k, v, *self._layers[layer], plan)
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys/values (N, H_kv, D) at the step's slots
         (`meta.slot_mapping`)."""
         at = KVWrite.of(meta, self.block_size)
-        self.backend.write(self.k[layer], self.v[layer], k, v, at)
+        self.backend.write(*self._layers[layer], k, v, at)

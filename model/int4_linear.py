@@ -79,7 +79,8 @@ class Int4Linear(nn.Module):
         if self.input_copies > 1:  # (M, in / 32, copies, 32): each group once per weight group
             blocks = rows.reshape(-1, self.in_features // GROUP, 1, GROUP)
             rows = blocks.expand(-1, -1, self.input_copies, -1).reshape(rows.shape[0], -1)
-        rows = rows.contiguous()  # (M, copies * in)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()  # (M, copies * in)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.weight, GROUP, self.scales_and_zeros
         )  # (M, out + pad) in op_dtype

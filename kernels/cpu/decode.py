@@ -216,9 +216,10 @@ def decode_attention_cpu(
     batch, width = plan.seq_rows.shape
     scale = sm_scale if sm_scale is not None else head_dim**-0.5
     q_rows = (q * scale).index_select(0, plan.row_seq)  # (R, H, D)
-    n0 = plan.n_first
+    n0 = plan.n_first  # the first pass's rows: all of them unless blocks are shared
+    first_q = q_rows if plan.shared is None else q_rows[:n0]
     scores = torch.bmm(
-        q_rows[:n0].view(n0 * n_kv, group, head_dim),
+        first_q.view(n0 * n_kv, group, head_dim),
         keys.reshape(n0 * n_kv, bs, head_dim).transpose(1, 2),
     ).view(n0, n_head, bs)  # query head h = KV head h // G, row h % G of its product
     if plan.shared is not None:
@@ -239,8 +240,9 @@ def decode_attention_cpu(
         row_probs = row_probs.index_select(0, plan.row_place)
     if row_probs.dtype != values.dtype:
         row_probs = row_probs.to(values.dtype)  # (R, H, bs)
+    first_probs = row_probs if plan.shared is None else row_probs[:n0]
     out = torch.bmm(
-        row_probs[:n0].reshape(n0 * n_kv, group, bs), values.reshape(n0 * n_kv, bs, head_dim)
+        first_probs.reshape(n0 * n_kv, group, bs), values.reshape(n0 * n_kv, bs, head_dim)
     ).view(n0, n_head, head_dim)  # (R0, H, D): each block's share of its sequence's output
     if plan.shared is not None:
         sh_probs = _slots_by_block(row_probs[n0:], plan.shared.width, n_kv)  # (Rb*H_kv, Mb*G, bs)
