@@ -67,7 +67,6 @@ from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
 from bench.host import print_host  # noqa: E402
 from model import GPT, load_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from model.gguf_checkpoint import read_gguf  # noqa: E402
 from model.known_models import FetchError, resolve_model  # noqa: E402
 
 INSTALL_HINT = "pip install -e '.[bench]' (llama-cpp-python builds llama.cpp from source)"
@@ -356,6 +355,7 @@ class Pair:
     rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (side, measure)
     cpu_rates: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # per CPU-second
     tokens: dict[str, list[int]] = field(default_factory=dict)  # side -> decode x1 tokens
+    vocab_size: int = 50257  # the prompts' ids are drawn below it
 
 
 def gptserve_side(engine) -> Callable:
@@ -434,7 +434,9 @@ def gguf_file_pair(path: Path, blocks: int, threads: int, llama_args: tuple[int,
     served = serve(row, str(path), "cpu", blocks)
     llama = llama_side(path, threads, *llama_args) if have_llama else None
     size = path.stat().st_size
-    return Pair("file", gptserve_side(served.engine), llama, (served.weight_bytes, size))
+    sizes = (served.weight_bytes, size)
+    vocab = served.engine.model.config.vocab_size
+    return Pair("file", gptserve_side(served.engine), llama, sizes, vocab_size=vocab)
 
 
 def main() -> None:
@@ -476,27 +478,24 @@ def main() -> None:
     retain_freed_memory()
     new = args.new_tokens
     seq_len = args.prompt_len + new
-    vocab = 50257
-    if gguf_path is not None:
-        vocab = read_gguf(gguf_path).config.vocab_size
-        title = f"{gguf_path.name} (the same file both sides)"
-    else:
-        title = "GPT-2 124M random weights"
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.streams)]  # fmt: skip
     pp = [int(n) for n in args.prompts.split(",")]
-    work = {"decode x1": (prompts[:1], new), f"decode {args.streams} streams": (prompts, new)}
-    for n in pp:  # each prompt-processing row its own random prompt
-        work[f"prompt {n}"] = ([torch.randint(0, vocab, (n,), generator=gen).tolist()], 1)
     blocks = args.streams * -(-(seq_len + 16) // 16) + -(-(max(pp) + 16) // 16)
     llama_args = (args.streams, seq_len, max(pp))
     with tempfile.TemporaryDirectory() as tmp:
         if gguf_path is not None:
             pairs = [gguf_file_pair(gguf_path, blocks, threads, llama_args, not missing)]
+            title = f"{gguf_path.name} (the same file both sides)"
         else:
             pairs = random_gpt2_pairs(args, formats, tmp, blocks, threads, llama_args,
                                       not missing)  # fmt: skip
+            title = "GPT-2 124M random weights"
+        vocab = pairs[0].vocab_size  # of the model loaded: the file is not read twice
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+                   for _ in range(args.streams)]  # fmt: skip
+        work = {"decode x1": (prompts[:1], new), f"decode {args.streams} streams": (prompts, new)}
+        for n in pp:  # each prompt-processing row its own random prompt
+            work[f"prompt {n}"] = ([torch.randint(0, vocab, (n,), generator=gen).tolist()], 1)
         for pair in pairs:
             for side in (pair.gptserve, pair.llama):  # warm-up, one sequence and several
                 for batch in (prompts[:1], prompts[:2]):

@@ -1,9 +1,11 @@
 import os
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model import GPT, ModelConfig, save_checkpoint
 
@@ -17,6 +19,29 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def save_tiny_gpt(path: Path, block_size: int = 256) -> Path:
+    """A tiny random GPT-2-shaped checkpoint (2 layers, 4 heads, 64 wide) saved at `path`."""
+    torch.manual_seed(0)
+    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=block_size)), path)
+    return path
+
+
+def byte_level_bpe(texts: Iterable[str], vocab_size: int, specials: list[str]) -> Tokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenizer and decoder) learned from `texts`, its special
+    tokens first."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
 SHAKESPEARE = REPO / "data" / "shakespeare.txt"
 
 
@@ -30,7 +55,4 @@ def shakespeare_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2-shaped checkpoint directory named "tiny-gpt" (the served model's id)."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-gpt"
-    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=256)), path)
-    return path
+    return save_tiny_gpt(tmp_path_factory.mktemp("ckpt") / "tiny-gpt")

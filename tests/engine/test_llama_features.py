@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.engine import Engine, EngineConfig
 from engine.grammar import compile_constraint
@@ -18,6 +17,7 @@ from engine.loader import prepare_for_inference
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig
 from model.hf_tokenizer import HFTokenizer
+from tests.conftest import byte_level_bpe
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -26,14 +26,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 def tok(tmp_path_factory: pytest.TempPathFactory, shakespeare_path: Path) -> HFTokenizer:
     """A small byte-level BPE with ChatML's special tokens, as SmolLM2 and Qwen have."""
     text = shakespeare_path.read_text(encoding="utf-8")[:100_000]
-    rust = Tokenizer(models.BPE())
-    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    rust.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    rust.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
+    chunks = [text[i : i + 2000] for i in range(0, len(text), 2000)]
+    rust = byte_level_bpe(chunks, 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     directory = tmp_path_factory.mktemp("tok")
     rust.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
 from model.hf_tokenizer import HFTokenizer
 from model.tokenizer import load_tokenizer
+from tests.conftest import byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = [
@@ -41,14 +42,7 @@ def _write(directory: Path, tok: Tokenizer, config: dict, generation: dict | Non
 
 @pytest.fixture(scope="module")
 def byte_level_dir(tmp_path_factory: pytest.TempPathFactory, shakespeare_path: Path) -> Path:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(_corpus(shakespeare_path), trainer)
+    tok = byte_level_bpe(_corpus(shakespeare_path), 600, SPECIALS)
     config = {"eos_token": "<|im_end|>", "bos_token": None, "tokenizer_class": "GPT2Tokenizer"}
     generation = {"eos_token_id": [2, 0]}
     return _write(tmp_path_factory.mktemp("tok") / "bytelevel", tok, config, generation)

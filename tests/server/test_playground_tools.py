@@ -8,10 +8,9 @@ import json
 from collections.abc import Iterator
 
 import pytest
-import torch
 from playwright.sync_api import Browser, Page, Route, expect
 
-from model import GPT, ModelConfig, save_checkpoint
+from tests.conftest import save_tiny_gpt
 from tests.server.playground_browser import (
     KEY,
     TIMEOUT_MS,
@@ -38,9 +37,7 @@ TOOL = {
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A tiny random GPT-2-shaped model with room in its context for the tools' system block."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tools") / "tiny-tools"
-    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=1024)), path)
+    path = save_tiny_gpt(tmp_path_factory.mktemp("tools") / "tiny-tools", block_size=1024)
     with serve_with_key(path, tmp_path_factory) as url:
         yield url
 

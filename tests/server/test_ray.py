@@ -26,7 +26,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,7 +44,6 @@ serve = pytest.importorskip(
     "ray.serve", reason="Ray Serve is not installed (pip install -e '.[ray]')"
 )
 
-from model import GPT, ModelConfig, save_checkpoint  # noqa: E402
 from server.ray.cli import main, parse_app_args, parse_cli  # noqa: E402
 from server.ray.deployment import (  # noqa: E402
     DEPLOYMENT_NAME,
@@ -59,6 +57,7 @@ from server.ray.deployment import (  # noqa: E402
 )
 from server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV, OpenAIErrors  # noqa: E402
 from server.settings import Settings, SettingsError  # noqa: E402
+from tests.conftest import save_tiny_gpt  # noqa: E402
 from tests.server.conftest import API_KEY, free_port, wait_for_server  # noqa: E402
 
 try:  # the request header that sets the proxy's timeout for one request (Ray 2.x)
@@ -85,10 +84,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def long_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model with room for LONG tokens, so a completion outlives a disconnect or a kill."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("ray-ckpt") / "tiny-gpt"
-    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=1024)), path)
-    return path
+    return save_tiny_gpt(tmp_path_factory.mktemp("ray-ckpt") / "tiny-gpt", block_size=1024)
 
 
 @pytest.fixture(scope="module")

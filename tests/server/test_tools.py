@@ -19,10 +19,11 @@ import jsonschema
 import pytest
 import torch
 from openai import OpenAI
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken
 
 from model import GPT, ModelConfig, save_checkpoint
 from server.settings import Settings
+from tests.conftest import byte_level_bpe, save_tiny_gpt
 from tests.server.conftest import LiveServer, live_server
 
 # ChatML with tools, as Qwen's and Hermes' templates write it
@@ -69,14 +70,8 @@ def chatml_checkpoint(tmp_path_factory: pytest.TempPathFactory, shakespeare_path
     """A tiny random Llama-shaped model with a byte-level BPE tokenizer: ChatML's special
     tokens, <tool_call> and </tool_call> as added (non-special) tokens, and CHATML_TOOLS."""
     text = shakespeare_path.read_text(encoding="utf-8")[:60_000]
-    rust = Tokenizer(models.BPE())
-    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    rust.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    rust.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
+    chunks = [text[i : i + 2000] for i in range(0, len(text), 2000)]
+    rust = byte_level_bpe(chunks, 400, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     rust.add_tokens([AddedToken("<tool_call>", special=False),
                      AddedToken("</tool_call>", special=False)])  # fmt: skip
     path = tmp_path_factory.mktemp("chatml") / "tiny-chatml"
@@ -95,10 +90,7 @@ def chatml_checkpoint(tmp_path_factory: pytest.TempPathFactory, shakespeare_path
 @pytest.fixture(scope="module")
 def plain_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2-shaped model with room for the default tool block in its context."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("plain") / "tiny-plain"
-    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=1024)), path)
-    return path
+    return save_tiny_gpt(tmp_path_factory.mktemp("plain") / "tiny-plain", block_size=1024)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 import train
 from engine.engine import Engine, EngineConfig
@@ -25,6 +25,7 @@ from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, load_checkpoint
 from model.hf_tokenizer import HFTokenizer
 from model.tokenizer import load_tokenizer
+from tests.conftest import byte_level_bpe
 from training.args import parse_config
 from training.checkpointing import BEST_DIR, STATE_FILE, TOKENIZER_FILES
 from training.config import llama_mlp_width
@@ -190,15 +191,10 @@ def test_gqa_llama_output_generates_through_the_engine(gqa_runs: list[Path]) -> 
 
 def _byte_level_tokenizer(text: Path) -> Tokenizer:
     """A 400-token byte-level BPE with Llama 3's BOS and end tokens; BOS starts each encoding."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
     corpus = text.read_text(encoding="utf-8")
-    tok.train_from_iterator([corpus[i : i + 1000] for i in range(0, len(corpus), 1000)], trainer)
+    tok = byte_level_bpe(
+        [corpus[i : i + 1000] for i in range(0, len(corpus), 1000)], 400, [BOS, EOS]
+    )
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))]
     )
