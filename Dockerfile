@@ -13,6 +13,9 @@ ARG TORCH_VERSION=2.13.0
 RUN useradd --create-home --uid 10001 gptserve
 WORKDIR /app
 
+# a C++ compiler: the CPU kernels (kernels/cpu/*.cpp) are built for the host on first start
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # torch first and on its own layer: it is the big one and changes least often
 RUN pip install "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md train.py ./

@@ -10,8 +10,9 @@ to find its path, and no module-level switch routes calls.
 - `TritonBackend`: the Triton paged kernel (`kernels.triton.paged`), on CUDA; tests run it on
   CPU tensors under the interpreter (TRITON_INTERPRET=1). Head-major pools, read through their
   strides.
-- `CpuPagedBackend`: a CPU. Head-major pools; the step's leading decodes read them in place
-  (`kernels.cpu.decode`), the sequences after them (prefills, chunks) score a prefix that
+- `CpuPagedBackend`: a CPU. Head-major pools; the step's leading decodes read them in place,
+  with the step's writes, in one compiled call per layer (`kernels.cpu.native`) where it could
+  be built, else in PyTorch operations (`kernels.cpu.decode`); the sequences after them (prefills, chunks) score a prefix that
   several of them continue once (`kernels.cpu.cascade`), or else gather + SDPA
   (`kernels.sdpa_paged`).
 - `SdpaGatherBackend`: any other device. Token-major pools, each sequence's blocks gathered for
@@ -33,6 +34,7 @@ import torch
 
 from kernels.cpu.cascade import CascadePlan, plan_cascade, prefill_attention_cpu
 from kernels.cpu.decode import UPCAST_ELEMENTS, DecodePlan, decode_attention_cpu, plan_decode
+from kernels.cpu.native import paged_decode_op
 from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
 from kernels.sdpa_paged import GatherPlan, paged_attention_sdpa, plan_gather
 from kernels.triton import available as triton_available
@@ -160,7 +162,7 @@ class CpuPagedPlan(AttentionPlan):
     and chunks) take the cascade when several continue one cached prefix, else gather + SDPA."""
 
     decodes: AttentionMetadata | None  # the leading sequences with one new token each
-    decode: DecodePlan | None
+    decode: DecodePlan | None  # None where the compiled kernel takes the decodes
     rest: AttentionMetadata | None  # the sequences after them
     rest_plan: CascadePlan | GatherPlan | None
 
@@ -171,10 +173,12 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     the cascade is measured against). `batch_invariant`: the decode attention multiplies
     bfloat16 and float16 keys in their dtype whatever the step's size (by default a small step
     is upcast to float32, which is faster there but makes a sequence's result depend on its
-    batch)."""
+    batch). `native=False` keeps the decodes on PyTorch operations where the compiled kernel
+    (`kernels.cpu.native`, batch-invariant in every dtype) is built."""
 
     cascade: bool = True
     batch_invariant: bool = False
+    native: bool = True
 
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return _head_major(spec)
@@ -187,7 +191,9 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             decodes, rest = None, meta
         else:
             decodes, rest = meta.split(n)
-        decode = None if decodes is None else plan_decode(decodes, spec.block_size, spec.n_kv_head)
+        decode = None
+        if decodes is not None and self._native(spec.dtype) is None:
+            decode = plan_decode(decodes, spec.block_size, spec.n_kv_head)
         rest_plan = None
         if rest is not None:
             if self.cascade:
@@ -198,6 +204,40 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
                 )
         write = KVWrite.of(meta, spec.block_size)
         return CpuPagedPlan(meta, write, decodes, decode, rest, rest_plan)
+
+    def _native(self, dtype: torch.dtype):
+        """The compiled decode kernel, or None: not wanted, not built, or not for `dtype`."""
+        return paged_decode_op() if self.native and dtype in TRITON_DTYPES else None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+        v_pool: torch.Tensor, plan: CpuPagedPlan, sm_scale: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if plan.decodes is None or plan.decode is not None:
+            return super().forward(q, k, v, k_pool, v_pool, plan, sm_scale)
+        # the compiled kernel: every write, then the leading decodes' attention, in one call
+        out_dtype = q.dtype
+        if not out_dtype == k.dtype == v.dtype == k_pool.dtype:
+            q, k, v = (t.to(k_pool.dtype) for t in (q, k, v))
+        n = plan.decodes.num_seqs  # one token each
+        scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
+        meta = plan.decodes
+        out = self._native(k_pool.dtype)(
+            q,
+            k,
+            v,
+            k_pool,
+            v_pool,
+            plan.write.block,
+            plan.write.offset,
+            meta.block_tables,
+            meta.context_lens,
+            n,
+            scale,
+        )  # fmt: skip  (n, H, D)
+        if plan.rest is not None:
+            out = torch.cat([out, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def attend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan,

@@ -136,6 +136,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.dtype = dtype  # of inputs, outputs and bias
         self.op_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
+        self.out_dtype: torch.dtype | None = None  # None: the input's dtype
         self.pad = -self.in_features % K_MULTIPLE
         self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
         self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
@@ -154,8 +155,9 @@ class Int8Linear(nn.Module):
         y = int8_matmul(rows, self.weight, self.scales, self.many_rows)  # (M, out) in op_dtype
         if self.bias is not None:
             y = torch.add(self.bias, y)  # in the bias's dtype: the add is the cast back
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
+        want = self.out_dtype or x.dtype
+        if y.dtype != want:
+            y = y.to(want)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,10 @@ not run: a tied embedding then reads its rows from them, so the table is stored 
 float32 oneDNN's products compute a row alike whatever the row count, so a sequence's logits do
 not depend on its batch (docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
 (`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
-only `nn.Linear` modules are swapped. A gated (SwiGLU) feed-forward block keeps its own forward.
+only `nn.Linear` modules are swapped. A gated (SwiGLU) feed-forward block keeps its own forward,
+unless the compiled CPU kernels are built (`kernels.cpu.native`): then a float32 Llama-family
+layer's norms and SwiGLU are one call each, written in the next product's dtype
+(`model.cpu.fused_rows`).
 `python bench/cpu_parts.py` measures each part against what it replaces.
 
 The model computes the same function afterwards, but its parameters are no longer trainable
@@ -21,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from kernels.cpu.native import native_ops
+from model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
 from model.cpu.onednn_linear import OneDnnLinear
 from model.cpu.packed_linear import (
     PackedEmbedding,
@@ -31,7 +36,7 @@ from model.cpu.packed_linear import (
 )
 from model.gpt import GPT, MLP
 
-WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding)
+WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, FusedRMSNorm)
 
 
 class FusedMLP(nn.Module):
@@ -74,4 +79,7 @@ def optimize_for_cpu(model: GPT, threads: int | None = None) -> GPT:
         if isinstance(c_fc, nn.Linear) and not gated and OneDnnLinear.supports(c_fc.weight.dtype):
             block.mlp = FusedMLP(block.mlp, threads)
     pack_linears(model, threads)
+    ops = native_ops()
+    if ops is not None:
+        install_fused_rows(model, ops)
     return model

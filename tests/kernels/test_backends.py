@@ -16,6 +16,7 @@ from kernels.backends import (
     select_attention_backend,
 )
 from kernels.cpu.cascade import CascadePlan
+from kernels.cpu.native import paged_decode_op
 from kernels.metadata import KVWrite
 from kernels.triton import available as triton_available
 from model import GPT, ModelConfig, get_tokenizer
@@ -123,23 +124,26 @@ def test_one_plan_per_step_read_by_every_layer(monkeypatch):
     backend = cache.backend
     plans: list[CpuPagedPlan] = []
     attended: list[CpuPagedPlan] = []
-    plan, attend = backend.plan, backend.attend
+    plan, forward = backend.plan, backend.forward
 
     def planning(meta, spec):
         plans.append(plan(meta, spec))
         return plans[-1]
 
-    def attending(q, k_pool, v_pool, step, sm_scale=None):
+    def layer(q, k, v, k_pool, v_pool, step, sm_scale=None):
         attended.append(step)
-        return attend(q, k_pool, v_pool, step, sm_scale)
+        return forward(q, k, v, k_pool, v_pool, step, sm_scale)
 
     monkeypatch.setattr(backend, "plan", planning)
-    monkeypatch.setattr(backend, "attend", attending)
+    monkeypatch.setattr(backend, "forward", layer)
     _run_steps(model, cache)
     assert len(plans) == 4  # one per step
     assert [id(p) for p in attended] == [id(p) for p in plans for _ in range(3)]  # every layer
     mixed = plans[1]  # the decode beside two prefills over one cached prefix: split in two
     assert mixed.decodes.num_seqs == 1 and mixed.rest.num_seqs == 2
     assert isinstance(mixed.rest_plan, CascadePlan) and len(mixed.rest_plan.groups) == 1
-    assert all(p.rest is None and p.decode is not None for p in plans[2:])  # decode steps
+    assert all(p.rest is None for p in plans[2:])  # decode steps
+    # the compiled kernel, where built, needs no plan of the decodes; the PyTorch path does
+    native = paged_decode_op() is not None
+    assert all((p.decode is None) == native for p in plans[1:])
     assert isinstance(mixed.write, KVWrite) and mixed.write.block.shape == (16,)

@@ -92,8 +92,9 @@ def test_the_dispatch_reads_leading_decodes_in_place_and_gathers_the_rest(
     args = paged_batch([5, 9, 13], q_lens, 4, n_head=2, head_dim=8, dtype=torch.float32,
                        device="cpu", head_major=head_major)  # fmt: skip
     q, k, v, meta = args
-    # the backend that lays the pools out so: head-major is the CPU's, token-major SDPA's
-    backend = CpuPagedBackend() if head_major else SdpaGatherBackend()
+    # the backend that lays the pools out so: head-major is the CPU's (its PyTorch decode path
+    # here; tests/kernels/test_native_decode.py has the compiled one), token-major SDPA's
+    backend = CpuPagedBackend(native=False) if head_major else SdpaGatherBackend()
     step = backend.plan(meta, KVSpec(1, k.shape[0], 4, 2, 8, torch.float32, k.device))
     out = backend.attend(q, k, v, step)
     assert rel_error(out, paged_attention_reference(*args)) < TOLERANCE[torch.float32]

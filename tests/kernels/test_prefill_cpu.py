@@ -104,9 +104,10 @@ def test_long_runs_of_queries_are_scored_in_slices(monkeypatch):
 
 
 def _cpu_step(q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata):
-    """The CPU backend's plan of the step (pools of `k`'s shape), and its attention."""
+    """The CPU backend's plan of the step (pools of `k`'s shape), and its attention (decodes in
+    PyTorch operations: tests/kernels/test_native_decode.py has the compiled kernel's)."""
     spec = KVSpec(1, k.shape[0], BS, k.shape[2], k.shape[3], k.dtype, k.device)
-    backend = CpuPagedBackend()
+    backend = CpuPagedBackend(native=False)
     step = backend.plan(meta, spec)
     return step, lambda k, v: backend.attend(q, k, v, step)
 

@@ -1,0 +1,80 @@
+"""The CPU wing's compiled kernels: built once per host, then loaded.
+
+A decode step of a small model is many small layers, and PyTorch spends a few microseconds of
+dispatch on each operation however little it computes: the attention of one new token took about
+36 operations a layer (`kernels.cpu.decode`), a RMSNorm before a bfloat16 product nine and a cast.
+These take one call each:
+
+- `paged_decode` (paged_decode.cpp): a layer's key/value writes and every decoding sequence's
+  attention over its blocks where they lie (`kernels.backends.CpuPagedBackend`);
+- `rms_norm` and `silu_mul` (row_ops.cpp): RMSNorm and SwiGLU's silu(gate) * up in float32,
+  written in the dtype of the product that follows (`model.cpu.optimize`).
+
+They are compiled with PyTorch's extension builder (a C++ compiler and ninja, found on most
+Linux hosts; `pip install ninja` for the latter) for the host's own instruction set, the first
+time a process asks for them (about 20 s); later processes load the build from PyTorch's
+extension cache (`TORCH_EXTENSIONS_DIR`, by default under ~/.cache) in a fraction of a second.
+Where they cannot be built, one line says why and PyTorch operations serve instead, with the same
+results within rounding. `GPTSERVE_NATIVE=0` keeps PyTorch operations (benchmarks compare the
+two that way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "row_ops.cpp")]
+FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
+
+
+def host_tag() -> str:
+    """A short name for this CPU's instruction sets: builds for `-march=native` are kept apart
+    per tag, so an extension cache shared by hosts of two kinds never hands one the other's."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags += next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def enabled() -> bool:
+    """Whether the environment allows the compiled kernels (`GPTSERVE_NATIVE`, default on)."""
+    return os.environ.get("GPTSERVE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@cache
+def native_ops() -> Any | None:
+    """torch.ops.gptserve_cpu, built or loaded on first use; None where it cannot be (no
+    compiler, no ninja, `GPTSERVE_NATIVE=0`), said once in the log."""
+    if not enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        name = f"gptserve_cpu_{host_tag()}"
+        log.info("loading the CPU kernels (compiled once per host: about 20 s)")
+        sources = [str(p) for p in SOURCES]
+        load(name, sources, FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+        return torch.ops.gptserve_cpu
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use PyTorch operations
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("CPU kernels not built (%s); using PyTorch operations", first)
+        return None
+
+
+def paged_decode_op() -> Any | None:
+    """The compiled `paged_decode`, or None (`native_ops`)."""
+    ops = native_ops()
+    return None if ops is None else ops.paged_decode

@@ -1,0 +1,208 @@
+// One layer of a CPU decode step in one call: the step's new keys and values written to their
+// slots, then each decoding sequence's query (one token) attended over its blocks where they lie.
+// kernels/cpu/native.py compiles it once per host (for the host's instruction set) and
+// kernels/backends.py calls it as torch.ops.gptserve_cpu.paged_decode.
+//
+// Pools are one layer's (num_blocks, block_size, H_kv, D) views with the last dimension
+// contiguous (head-major in memory: each (block, head) a (block_size, D) tile). Every
+// (sequence, KV head) is a task of its own: its G query heads score every key of the sequence in
+// table order, take one softmax each and sum the values, all in float32, so a sequence's result
+// does not depend on the rest of the batch or on where its blocks lie, to the bit.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // independent partial sums of a dot product (vectorizable)
+constexpr int64_t kSerialWork = 1 << 16;  // multiply-adds below which one thread does a step
+
+// q (D,) float . k (D,) of T: kLanes partial sums added in a fixed order (no -ffast-math needed
+// for the compiler to vectorize it, and the same order on every instruction set)
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += q[d + l] * static_cast<float>(k[d + l]);
+  }
+  for (; d < n; ++d) acc[d % kLanes] += q[d] * static_cast<float>(k[d]);
+  for (int64_t half = kLanes / 2; half > 0; half /= 2) {  // a tree: shuffles, not 15 adds
+    for (int64_t l = 0; l < half; ++l) acc[l] += acc[l + half];
+  }
+  return acc[0];
+}
+
+// exp(x) for x <= 0 of a softmax: 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2] and e^r by
+// its degree-6 Taylor polynomial (relative error ~1e-7); branch-free so that the compiler
+// vectorizes the loop that calls it. Below -87 (e^-87 ~ 1.6e-38) it returns e^-87.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest integer
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;  // ln2 in two parts
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// sum of n floats in kLanes partial sums, then the tree (a fixed order, vectorizable)
+inline float sum(const float* x, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += x[t + l];
+  }
+  for (; t < n; ++t) acc[t % kLanes] += x[t];
+  for (int64_t half = kLanes / 2; half > 0; half /= 2) {
+    for (int64_t l = 0; l < half; ++l) acc[l] += acc[l + half];
+  }
+  return acc[0];
+}
+
+template <typename T>
+void write_new(const at::Tensor& x, const at::Tensor& pool, const int64_t* block,
+               const int64_t* offset) {
+  // x (N, H_kv, D) -> pool[block[n], offset[n], h, :]
+  const int64_t n_tok = x.size(0), n_kv = x.size(1), dim = x.size(2);
+  const T* src = x.data_ptr<T>();
+  T* dst = pool.data_ptr<T>();
+  for (int64_t n = 0; n < n_tok; ++n) {
+    for (int64_t h = 0; h < n_kv; ++h) {
+      const T* from = src + n * x.stride(0) + h * x.stride(1);
+      T* to = dst + block[n] * pool.stride(0) + offset[n] * pool.stride(1) + h * pool.stride(2);
+      std::copy(from, from + dim, to);
+    }
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+            const int32_t* tables, int64_t table_width, const int32_t* ctx_lens, int64_t n_seq,
+            double scale, at::Tensor& out) {
+  const int64_t n_head = q.size(1), dim = q.size(2);
+  const int64_t n_kv = k_pool.size(2), bs = k_pool.size(1);
+  const int64_t group = n_head / n_kv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t kb = k_pool.stride(0), ks = k_pool.stride(1), kh = k_pool.stride(2);
+  const int64_t vb = v_pool.stride(0), vs = v_pool.stride(1), vh = v_pool.stride(2);
+  int64_t work = 0;
+  for (int64_t b = 0; b < n_seq; ++b) work += int64_t(ctx_lens[b]) * n_head * dim;
+  const int64_t tasks = n_seq * n_kv;
+  const int64_t grain = work < kSerialWork ? tasks : 1;
+
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / n_kv, h = task % n_kv;
+      const int64_t ctx = ctx_lens[b];
+      const int32_t* table = tables + b * table_width;
+      for (int64_t g = 0; g < group; ++g) {  // the G query heads that read KV head h
+        const T* src = qp + b * q.stride(0) + (h * group + g) * q.stride(1);
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]) * scale;
+      }
+      scores.resize(group * ctx);  // (G, ctx)
+      for (int64_t start = 0; start < ctx; start += bs) {
+        const T* tile = kp + int64_t(table[start / bs]) * kb + h * kh;
+        const int64_t n = std::min(bs, ctx - start);
+        for (int64_t s = 0; s < n; ++s) {
+          for (int64_t g = 0; g < group; ++g) {
+            scores[g * ctx + start + s] = dot(&qf[g * dim], tile + s * ks, dim);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax numerators; the sum divides at the end
+        float* row = &scores[g * ctx];
+        const float top = *std::max_element(row, row + ctx);
+        for (int64_t t = 0; t < ctx; ++t) row[t] = exp_nonpositive(row[t] - top);
+        qf[g * dim] = 1.f / sum(row, ctx);  // the query is spent: its first slot keeps 1 / sum
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < ctx; start += bs) {
+        const T* tile = vp + int64_t(table[start / bs]) * vb + h * vh;
+        const int64_t n = std::min(bs, ctx - start);
+        for (int64_t s = 0; s < n; ++s) {
+          const T* value = tile + s * vs;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * ctx + start + s];
+            float* a = &acc[g * dim];
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + b * out.stride(0) + (h * group + g) * out.stride(1);
+        const float inv = qf[g * dim];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+// q (N, H, D); k, v (N, H_kv, D): the step's new tokens, the first n_decode of them one per
+// decoding sequence. Writes k, v at (write_block, write_offset) (N,) int64, then returns
+// (n_decode, H, D): each decoding sequence's attention over block_tables (B, nb) int32 and
+// context_lens (B,) int32 (its first n_decode rows are those sequences).
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& write_block, const at::Tensor& write_offset,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        int64_t n_decode, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (N, heads, D)");
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "pools must be (blocks, slots, H_kv, D)");
+  for (const at::Tensor* t : {&q, &k, &v, &k_pool, &v_pool}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == k_pool.scalar_type(),
+                "q, k, v and the pools must be CPU tensors of one dtype");
+    TORCH_CHECK(t->stride(-1) == 1, "the last dimension must be contiguous");
+  }
+  TORCH_CHECK(q.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k.size(1) == k_pool.size(2) && k.size(2) == k_pool.size(3), "k does not fit pool");
+  TORCH_CHECK(write_block.scalar_type() == at::kLong && write_offset.scalar_type() == at::kLong &&
+                  write_block.is_contiguous() && write_offset.is_contiguous() &&
+                  write_block.numel() == k.size(0) && write_offset.numel() == k.size(0),
+              "write_block and write_offset must be (N,) contiguous int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() >= n_decode && block_tables.size(0) >= n_decode,
+              "block_tables (B, nb) and context_lens (B,) must be contiguous int32");
+  at::Tensor out = at::empty({n_decode, q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const int64_t* block = write_block.data_ptr<int64_t>();
+    const int64_t* offset = write_offset.data_ptr<int64_t>();
+    write_new<scalar_t>(k, k_pool, block, offset);
+    write_new<scalar_t>(v, v_pool, block, offset);
+    attend<scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                     context_lens.data_ptr<int32_t>(), n_decode, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+      "Tensor write_block, Tensor write_offset, Tensor block_tables, Tensor context_lens, "
+      "int n_decode, float scale) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+}

@@ -1,0 +1,122 @@
+"""The compiled CPU decode kernel (`kernels.cpu.native`) against the reference: its writes, its
+attention (grouped-query, shared blocks, every dtype), its batch invariance and its fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kernel_testing import TOLERANCE, paged_batch, rel_error
+
+from kernels.backends import CpuPagedBackend, KVSpec
+from kernels.cpu import native
+from kernels.metadata import AttentionMetadata, KVWrite
+from kernels.reference import paged_attention_reference
+
+# a host that runs the tests has a C++ compiler; only GPTSERVE_NATIVE=0 turns the kernel off
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def test_it_builds_on_this_host():
+    assert native.paged_decode_op() is not None
+
+
+def _step(q, k_new, v_new, k, v, meta: AttentionMetadata, n_decode: int) -> torch.Tensor:
+    at = KVWrite.of(meta, k.shape[1])
+    op = native.paged_decode_op()
+    scale = q.shape[-1] ** -0.5
+    return op(q, k_new, v_new, k, v, at.block, at.offset, meta.block_tables, meta.context_lens,
+              n_decode, scale)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_head, n_kv_head, head_dim", [(3, 3, 40), (9, 3, 64), (4, 1, 16)])
+@pytest.mark.parametrize("page_size, spare", [(5, 3), (16, 200)])
+def test_writes_then_attends_like_the_reference(kv_dtype, n_head, n_kv_head, head_dim, page_size,
+                                                spare):  # fmt: skip
+    ctx = [1, 150, 9, 40, 16, 17]
+    q, k, v, meta = paged_batch(ctx, [1] * len(ctx), page_size, n_head=n_head, head_dim=head_dim,
+                                dtype=kv_dtype, device="cpu", spare=spare, head_major=True,
+                                n_kv_head=n_kv_head)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    k_new, v_new = (torch.randn(len(ctx), n_kv_head, head_dim, generator=gen).to(kv_dtype)
+                    for _ in range(2))  # fmt: skip
+    at = KVWrite.of(meta, page_size)
+    expect_k, expect_v = k.clone(), v.clone()
+    expect_k[at.block, at.offset] = k_new
+    expect_v[at.block, at.offset] = v_new
+    out = _step(q, k_new, v_new, k, v, meta, len(ctx))
+    # the new keys and values are where the step said, and nothing else in the pools moved
+    assert torch.equal(k.nan_to_num(7), expect_k.nan_to_num(7))
+    assert torch.equal(v.nan_to_num(7), expect_v.nan_to_num(7))
+    ref = paged_attention_reference(q.float(), expect_k.float(), expect_v.float(), meta)
+    assert out.shape == q.shape and out.dtype == kv_dtype
+    assert torch.isfinite(out).all()  # NaN past every context and in the padding is never read
+    assert rel_error(out, ref) < TOLERANCE[kv_dtype]
+
+
+def test_sequences_sharing_blocks_match_the_reference():
+    # three sequences over one cached prefix (blocks 2 and 0), each with a last block of its own
+    tables, ctx = [[2, 0, 5], [2, 0, 1], [2, 3]], [11, 10, 6]
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(8, 2, 4, 8, generator=gen).transpose(1, 2)  # head-major (8, 4, 2, 8)
+    v = torch.randn(8, 2, 4, 8, generator=gen).transpose(1, 2)
+    meta = AttentionMetadata.build(tables, ctx, [1, 1, 1], block_size=4)
+    q = torch.randn(3, 4, 8, generator=gen)  # 4 query heads over 2 KV heads
+    at = KVWrite.of(meta, 4)
+    k_new, v_new = k[at.block, at.offset].clone(), v[at.block, at.offset].clone()
+    out = _step(q, k_new, v_new, k, v, meta, 3)
+    assert rel_error(out, paged_attention_reference(q, k, v, meta)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kv_dtype):
+    q, k, v, meta = paged_batch([37], [1], 8, n_head=4, head_dim=32, dtype=kv_dtype, device="cpu",
+                                head_major=True, n_kv_head=2)  # fmt: skip
+    at = KVWrite.of(meta, 8)
+    k_new, v_new = k[at.block, at.offset].clone(), v[at.block, at.offset].clone()
+    alone = _step(q, k_new, v_new, k, v, meta, 1)
+    # the same sequence, its blocks elsewhere in a bigger pool, after two other sequences
+    n_pool, mine = 30, [20, 3, 11, 27, 8]
+    big_k = torch.randn(n_pool, 2, 8, 32).to(kv_dtype).transpose(1, 2)
+    big_v = torch.randn(n_pool, 2, 8, 32).to(kv_dtype).transpose(1, 2)
+    for new, old in zip(mine, meta.block_tables[0].tolist()):
+        big_k[new], big_v[new] = k[old], v[old]
+    others = [[0, 1, 2, 4], [5, 6]]
+    both = AttentionMetadata.build([*others, mine], [29, 12, 37], [1, 1, 1], block_size=8)
+    q3 = torch.cat([torch.randn(2, 4, 32).to(kv_dtype), q])
+    at3 = KVWrite.of(both, 8)
+    k3, v3 = big_k[at3.block, at3.offset].clone(), big_v[at3.block, at3.offset].clone()
+    together = _step(q3, k3, v3, big_k, big_v, both, 3)
+    assert torch.equal(together[2], alone[0])
+
+
+def test_the_backend_takes_the_decodes_and_leaves_the_rest_to_pytorch():
+    # two decodes, then a prefill of 4 new tokens: one call writes all 6 and attends the two
+    q, k, v, meta = paged_batch([5, 9, 13], [1, 1, 4], 4, n_head=2, head_dim=8,
+                                dtype=torch.float32, device="cpu", head_major=True)  # fmt: skip
+    at = KVWrite.of(meta, 4)
+    k_new, v_new = k[at.block, at.offset].clone(), v[at.block, at.offset].clone()
+    backend = CpuPagedBackend()
+    step = backend.plan(meta, KVSpec(1, k.shape[0], 4, 2, 8, torch.float32, k.device))
+    assert step.decode is None and step.decodes.num_seqs == 2  # nothing planned for the kernel
+    out = backend.forward(q, k_new, v_new, k, v, step)
+    assert rel_error(out, paged_attention_reference(q, k, v, meta)) < TOLERANCE[torch.float32]
+    python = CpuPagedBackend(native=False)
+    assert python.plan(meta, KVSpec(1, k.shape[0], 4, 2, 8, torch.float32, k.device)).decode
+
+
+def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(monkeypatch, caplog):
+    monkeypatch.setenv("GPTSERVE_NATIVE", "0")
+    assert native.native_ops.__wrapped__() is None
+    monkeypatch.setenv("GPTSERVE_NATIVE", "1")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: no C++ compiler\nmore detail")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
+        assert native.native_ops.__wrapped__() is None
+    assert "CPU kernels not built (error: no C++ compiler)" in caplog.text
