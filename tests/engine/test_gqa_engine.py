@@ -80,11 +80,15 @@ def _prompts(tok) -> list[list[int]]:
     ]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "pytorch"])
 def test_greedy_decoding_equals_the_full_forward(
-    llama: GPT, tok, monkeypatch: pytest.MonkeyPatch
+    llama: GPT, tok, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
-    """Decodes read in place, prefills over a cached prefix take the cascade, the others gather
-    + SDPA; small steps chunk the prompts so decodes and prefills share steps."""
+    """Decodes read in place (the compiled kernel, or PyTorch operations), prefills over a
+    cached prefix take the cascade, the others gather + SDPA; small steps chunk the prompts so
+    decodes and prefills share steps."""
+    if not native:
+        monkeypatch.setattr(backends, "paged_decode_op", lambda: None)
     calls = {name: 0 for name in PATHS}
     for name in PATHS:
         path = getattr(backends, name)
@@ -104,7 +108,9 @@ def test_greedy_decoding_equals_the_full_forward(
     for i, ids in enumerate(prompts):
         assert out[str(i)] == greedy_reference(llama, ids, 32), f"prompt {i}"
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
-    assert all(calls.values()), calls  # every CPU path ran
+    compiled = native and backends.paged_decode_op() is not None
+    assert (calls.pop("decode_attention_cpu") > 0) != compiled, calls
+    assert all(calls.values()), calls  # every other CPU path ran
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
