@@ -34,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "row_ops.cpp")]
+HEADERS = [Path(__file__).with_name("vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
 
 
@@ -63,7 +64,9 @@ def native_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"gptserve_cpu_{host_tag()}"
+        # PyTorch rebuilds when a source changes, not a header: the name covers both
+        code = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
+        name = f"gptserve_cpu_{host_tag()}_{code[:8]}"
         log.info("loading the CPU kernels (compiled once per host: about 20 s)")
         sources = [str(p) for p in SOURCES]
         load(name, sources, FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)

@@ -16,10 +16,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -43,26 +44,6 @@ inline float dot(const float* q, const T* k, int64_t n) {
   return acc[0];
 }
 
-// exp(x) for x <= 0 of a softmax: 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2] and e^r by
-// its degree-6 Taylor polynomial (relative error ~1e-7); branch-free so that the compiler
-// vectorizes the loop that calls it. Below -87 (e^-87 ~ 1.6e-38) it returns e^-87.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest integer
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;  // ln2 in two parts
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
 // sum of n floats in kLanes partial sums, then the tree (a fixed order, vectorizable)
 inline float sum(const float* x, int64_t n) {
   float acc[kLanes] = {0.f};
@@ -75,6 +56,15 @@ inline float sum(const float* x, int64_t n) {
     for (int64_t l = 0; l < half; ++l) acc[l] += acc[l + half];
   }
   return acc[0];
+}
+
+// ask for rows [0, n) of a tile (row stride `stride`, `dim` elements each) to be cached
+template <typename T>
+inline void prefetch_rows(const T* tile, int64_t n, int64_t stride, int64_t dim) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t s = 0; s < n; ++s) {
+    for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(tile + s * stride + d);
+  }
 }
 
 template <typename T>
@@ -125,6 +115,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       for (int64_t start = 0; start < ctx; start += bs) {
         const T* tile = kp + int64_t(table[start / bs]) * kb + h * kh;
         const int64_t n = std::min(bs, ctx - start);
+        if (start + bs < ctx) {  // the next key tile and this value tile, while this one computes
+          prefetch_rows(kp + int64_t(table[start / bs + 1]) * kb + h * kh, n, ks, dim);
+        }
+        prefetch_rows(vp + int64_t(table[start / bs]) * vb + h * vh, n, vs, dim);
         for (int64_t s = 0; s < n; ++s) {
           for (int64_t g = 0; g < group; ++g) {
             scores[g * ctx + start + s] = dot(&qf[g * dim], tile + s * ks, dim);
@@ -134,7 +128,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators; the sum divides at the end
         float* row = &scores[g * ctx];
         const float top = *std::max_element(row, row + ctx);
-        for (int64_t t = 0; t < ctx; ++t) row[t] = exp_nonpositive(row[t] - top);
+        for (int64_t t = 0; t < ctx; ++t) row[t] = fast_exp(row[t] - top);
         qf[g * dim] = 1.f / sum(row, ctx);  // the query is spent: its first slot keeps 1 / sum
       }
       std::fill(acc.begin(), acc.end(), 0.f);

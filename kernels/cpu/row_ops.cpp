@@ -10,6 +10,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -79,7 +81,7 @@ at::Tensor silu_mul(const at::Tensor& h, at::ScalarType out_dtype) {
           const In* up = gate + width;
           for (int64_t i = 0; i < width; ++i) {
             const float g = static_cast<float>(gate[i]);
-            dst[r * width + i] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+            dst[r * width + i] = static_cast<scalar_t>(g / (1.f + fast_exp(-g)) * static_cast<float>(up[i]));
           }
         }
       });
