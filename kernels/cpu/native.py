@@ -16,7 +16,8 @@ time a process asks for them (about 20 s); later processes load the build from P
 extension cache (`TORCH_EXTENSIONS_DIR`, by default under ~/.cache) in a fraction of a second.
 Where they cannot be built, one line says why and PyTorch operations serve instead, with the same
 results within rounding. `GPTSERVE_NATIVE=0` keeps PyTorch operations (benchmarks compare the
-two that way).
+two that way). `GPTSERVE_NATIVE_ARCH` names the `-march` target (default `native`; `x86-64-v3`
+builds for an AVX2 host on an AVX-512 one, as docs/BENCHMARKS.md's AVX2 runs do).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "row_ops.cpp")]
 HEADERS = [Path(__file__).with_name("vec_math.h")]
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
+FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
 
 
 def host_tag() -> str:
@@ -66,10 +68,13 @@ def native_ops() -> Any | None:
 
         # PyTorch rebuilds when a source changes, not a header: the name covers both
         code = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
-        name = f"gptserve_cpu_{host_tag()}_{code[:8]}"
+        arch = os.environ.get("GPTSERVE_NATIVE_ARCH", "native").strip() or "native"
+        arch_tag = re.sub(r"\W", "_", arch)
+        name = f"gptserve_cpu_{host_tag()}_{arch_tag}_{code[:8]}"
         log.info("loading the CPU kernels (compiled once per host: about 20 s)")
         sources = [str(p) for p in SOURCES]
-        load(name, sources, FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+        flags = [*FLAGS, f"-march={arch}"]
+        load(name, sources, flags, extra_ldflags=["-fopenmp"], is_python_module=False)
         return torch.ops.gptserve_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: use PyTorch operations
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

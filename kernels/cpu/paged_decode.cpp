@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -56,6 +58,51 @@ inline float sum(const float* x, int64_t n) {
     for (int64_t l = 0; l < half; ++l) acc[l] += acc[l + half];
   }
   return acc[0];
+}
+
+using v16 = float __attribute__((vector_size(64)));  // 16 floats: one AVX-512 or two AVX2 registers
+using i16 = int32_t __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// lanes {a[lo..], b[lo..]} + lanes {a[hi..], b[hi..]}: one step of the transposed sum below
+inline v16 fold(v16 a, v16 b, i16 lo, i16 hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// the scores of a tile's n <= 16 float32 keys (row stride `stride`) for one query q (dim, a
+// multiple of 16): each key's products in 16 lanes, then the 16 keys' lanes summed together by a
+// tree of shuffles that leaves key s in lane s (about 3 operations a key, not a reduction each)
+inline void tile_scores(const float* q, const float* tile, int64_t n, int64_t stride,
+                        int64_t dim, float* out) {
+  v16 p[16];
+  for (int64_t s = 0; s < 16; ++s) {
+    v16 acc = {};
+    if (s < n) {
+      for (int64_t c = 0; c < dim; c += 16) acc += load16(q + c) * load16(tile + s * stride + c);
+    }
+    p[s] = acc;
+  }
+  v16 u[8], w[4], x[2];
+  for (int s = 0; s < 8; ++s) {  // u[s]: key s in lanes 0-7, key s+8 in lanes 8-15
+    u[s] = fold(p[s], p[s + 8], i16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                i16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  }
+  for (int s = 0; s < 4; ++s) {  // w[s]: keys s, s+4, s+8, s+12 in 4 lanes each
+    w[s] = fold(u[s], u[s + 4], i16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                i16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+  for (int s = 0; s < 2; ++s) {  // x[s]: keys s, s+2, ..., s+14 in 2 lanes each
+    x[s] = fold(w[s], w[s + 2], i16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                i16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  }
+  const v16 y = fold(x[0], x[1], i16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                     i16{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+  for (int64_t s = 0; s < n; ++s) out[s] = y[s];
 }
 
 // ask for rows [0, n) of a tile (row stride `stride`, `dim` elements each) to be cached
@@ -100,6 +147,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   for (int64_t b = 0; b < n_seq; ++b) work += int64_t(ctx_lens[b]) * n_head * dim;
   const int64_t tasks = n_seq * n_kv;
   const int64_t grain = work < kSerialWork ? tasks : 1;
+  // float32 tiles of 16 keys with whole 16-lane rows take `tile_scores` (a choice of the pools'
+  // shape alone: a sequence's scores never depend on its batch)
+  const bool tiled = bs <= 16 && dim % 16 == 0;
 
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores;
@@ -119,6 +169,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
           prefetch_rows(kp + int64_t(table[start / bs + 1]) * kb + h * kh, n, ks, dim);
         }
         prefetch_rows(vp + int64_t(table[start / bs]) * vb + h * vh, n, vs, dim);
+        if constexpr (std::is_same_v<T, float>) {
+          if (tiled) {
+            for (int64_t g = 0; g < group; ++g) {
+              tile_scores(&qf[g * dim], tile, n, ks, dim, &scores[g * ctx + start]);
+            }
+            continue;
+          }
+        }
         for (int64_t s = 0; s < n; ++s) {
           for (int64_t g = 0; g < group; ++g) {
             scores[g * ctx + start + s] = dot(&qf[g * dim], tile + s * ks, dim);
