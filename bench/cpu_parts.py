@@ -8,8 +8,10 @@
    `pack_head`: slabs for one row, oneDNN for more); for one row, also the head in oneDNN's
    layout alone.
 2. Decode attention for 1 and 32 sequences of 150-192 tokens over 12 layers: each sequence's
-   keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`), and
-   those groups against head-major pools read in place (`kernels.cpu.decode`).
+   keys and values gathered in one group against cache-sized groups (`kernels.sdpa_paged`),
+   those groups against head-major pools read in place (`kernels.cpu.decode`), and that path
+   against the compiled kernel (`kernels.cpu.native`), both through the backend with the step's
+   key/value writes.
 3. A decode step of the Engine with 32 sequences, in two fresh processes: glibc's default
    allocator against the tuned one (model.cpu.malloc_tuning), which parts 1 and 2 run with.
 4. Reduced precision (`--dtype bfloat16`, `--quantize int8`): the layer matrices and the head
@@ -50,6 +52,7 @@ import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from bench.host import print_host  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from kernels.backends import CpuPagedBackend  # noqa: E402
+from kernels.cpu.native import native_ops  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
@@ -138,8 +141,19 @@ def attention_rows(batch: int) -> list[Row]:
         for i in range(12):
             cpu_decode.decode_attention_cpu(q, cache.k[i], cache.v[i], step, plan=plan)
 
+    k_new, v_new = torch.randn(batch, 12, 64), torch.randn(batch, 12, 64)
+
+    def backend_step(native: bool) -> None:  # one step through the backend: writes, attention
+        backend = CpuPagedBackend(native=native)
+        plan = backend.plan(step, cache.spec)
+        for i in range(12):
+            backend.forward(q, k_new, v_new, cache.k[i], cache.v[i], plan)
+
     label = f"decode attention, {batch} seq x 12 layers"
     rows = []
+    if native_ops() is not None:
+        compiled = alternate(lambda: backend_step(False), lambda: backend_step(True))
+        rows.append((label, "in place -> compiled, with writes", *compiled))
     try:
         if batch > 1:
             times = alternate(lambda: gather(True), lambda: gather(False))

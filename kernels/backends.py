@@ -34,7 +34,7 @@ import torch
 
 from kernels.cpu.cascade import CascadePlan, plan_cascade, prefill_attention_cpu
 from kernels.cpu.decode import UPCAST_ELEMENTS, DecodePlan, decode_attention_cpu, plan_decode
-from kernels.cpu.native import paged_decode_op
+from kernels.cpu.native import native_ops, paged_decode_op
 from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
 from kernels.sdpa_paged import GatherPlan, paged_attention_sdpa, plan_gather
 from kernels.triton import available as triton_available
@@ -110,6 +110,15 @@ class AttentionBackend(ABC, Generic[PlanT]):
         """One layer of a step: write k, v (N, H_kv, D), then attend q (N, H, D) -> (N, H, D)."""
         self.write(k_pool, v_pool, k, v, plan.write)
         return self.attend(q, k_pool, v_pool, plan, sm_scale)
+
+    def forward_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+        v_pool: torch.Tensor, plan: PlanT, n_head: int, out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """One layer of a step from its q/k/v product (N, (H + 2 H_kv) * D) and rotary cos,
+        sin (N, 1, D), rotation included, in one call: (N, H, D) in `out_dtype`; None (the
+        default) where this backend has no such path, and the caller takes `forward`."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -238,6 +247,25 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         if plan.rest is not None:
             out = torch.cat([out, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def forward_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+        v_pool: torch.Tensor, plan: CpuPagedPlan, n_head: int, out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The compiled `paged_decode_qkv`, for a step of decodes only over float32 pools with
+        float32 rotary (as `forward` computes them, to the bit in the attention's inputs)."""
+        ops = native_ops() if self.native else None
+        if ops is None or plan.rest is not None or plan.decodes is None or plan.decode is not None:
+            return None
+        if k_pool.dtype != torch.float32 or cos.dtype != torch.float32:
+            return None
+        meta, n = plan.decodes, qkv.shape[0]
+        scale = k_pool.shape[-1] ** -0.5
+        return ops.paged_decode_qkv(
+            qkv, cos.view(n, -1), sin.view(n, -1), k_pool, v_pool, plan.write.block,
+            plan.write.offset, meta.block_tables, meta.context_lens, n_head, scale,
+            out_dtype or qkv.dtype,
+        )  # fmt: skip
 
     def attend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan,

@@ -65,7 +65,13 @@ class CausalSelfAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., T, C) -> q (..., T, nh, hs), k and v (..., T, n_kv, hs), normed and rotated."""
-        qkv = self.c_attn(x).unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.head_dim))
+        return self._heads(self.c_attn(x), rope)
+
+    def _heads(
+        self, qkv: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """c_attn's (..., T, (nh + 2 n_kv) * hs) -> q, k, v as `_qkv` returns them."""
+        qkv = qkv.unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.head_dim))
         qk, v = qkv.split((self.n_head + self.n_kv_head, self.n_kv_head), dim=-2)
         if hasattr(self, "q_norm"):
             q, k = qk.split((self.n_head, self.n_kv_head), dim=-2)
@@ -87,8 +93,15 @@ class CausalSelfAttention(nn.Module):
         rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
         N = x.shape[0]
-        q, k, v = self._qkv(x, rope)  # (N, nh, hs), (N, n_kv, hs), (N, n_kv, hs)
-        y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first
+        qkv = self.c_attn(x)  # (N, (nh + 2 n_kv) * hs)
+        y = None
+        fused = getattr(cache, "attend_qkv", None)  # a cache's one-call decode, if it has one
+        if fused is not None and rope is not None and not hasattr(self, "q_norm"):
+            # None unless this step and cache suit it; else (N, nh, hs) in the dtype c_proj takes
+            y = fused(layer, qkv, rope, plan, self.n_head, getattr(self.c_proj, "op_dtype", None))
+        if y is None:
+            q, k, v = self._heads(qkv, rope)  # (N, nh, hs), (N, n_kv, hs), (N, n_kv, hs)
+            y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first
         return self.c_proj(y.reshape(N, self.n_head * self.head_dim))
 
 

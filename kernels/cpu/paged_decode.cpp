@@ -60,49 +60,75 @@ inline float sum(const float* x, int64_t n) {
   return acc[0];
 }
 
-using v16 = float __attribute__((vector_size(64)));  // 16 floats: one AVX-512 or two AVX2 registers
-using i16 = int32_t __attribute__((vector_size(64)));
+// one vector of floats: 16 with AVX-512, else 8 (two AVX2 registers' worth of shuffles across
+// their halves cost more than they save)
+#if defined(__AVX512F__)
+constexpr int64_t kVec = 16;
+#else
+constexpr int64_t kVec = 8;
+#endif
+using vf = float __attribute__((vector_size(kVec * sizeof(float))));
+using vi = int32_t __attribute__((vector_size(kVec * sizeof(int32_t))));
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vf load_vec(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
 // lanes {a[lo..], b[lo..]} + lanes {a[hi..], b[hi..]}: one step of the transposed sum below
-inline v16 fold(v16 a, v16 b, i16 lo, i16 hi) {
+inline vf fold(vf a, vf b, vi lo, vi hi) {
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
 }
 
-// the scores of a tile's n <= 16 float32 keys (row stride `stride`) for one query q (dim, a
-// multiple of 16): each key's products in 16 lanes, then the 16 keys' lanes summed together by a
-// tree of shuffles that leaves key s in lane s (about 3 operations a key, not a reduction each)
-inline void tile_scores(const float* q, const float* tile, int64_t n, int64_t stride,
-                        int64_t dim, float* out) {
-  v16 p[16];
-  for (int64_t s = 0; s < 16; ++s) {
-    v16 acc = {};
-    if (s < n) {
-      for (int64_t c = 0; c < dim; c += 16) acc += load16(q + c) * load16(tile + s * stride + c);
-    }
-    p[s] = acc;
-  }
-  v16 u[8], w[4], x[2];
+// p[s] holds key s's products in kVec lanes; returns the kVec sums, key s in lane s: a tree of
+// shuffles that folds all the keys together (about 3 operations a key, not a reduction each)
+inline vf transposed_sum(const vf* p) {
+#if defined(__AVX512F__)
+  vf u[8], w[4], x[2];
   for (int s = 0; s < 8; ++s) {  // u[s]: key s in lanes 0-7, key s+8 in lanes 8-15
-    u[s] = fold(p[s], p[s + 8], i16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-                i16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    u[s] = fold(p[s], p[s + 8], vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
   }
   for (int s = 0; s < 4; ++s) {  // w[s]: keys s, s+4, s+8, s+12 in 4 lanes each
-    w[s] = fold(u[s], u[s + 4], i16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-                i16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    w[s] = fold(u[s], u[s + 4], vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
   }
   for (int s = 0; s < 2; ++s) {  // x[s]: keys s, s+2, ..., s+14 in 2 lanes each
-    x[s] = fold(w[s], w[s + 2], i16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-                i16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    x[s] = fold(w[s], w[s + 2], vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
   }
-  const v16 y = fold(x[0], x[1], i16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-                     i16{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
-  for (int64_t s = 0; s < n; ++s) out[s] = y[s];
+  return fold(x[0], x[1], vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+              vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+#else
+  vf u[4], w[2];
+  for (int s = 0; s < 4; ++s) {  // u[s]: key s in lanes 0-3, key s+4 in lanes 4-7
+    u[s] = fold(p[s], p[s + 4], vi{0, 1, 2, 3, 8, 9, 10, 11}, vi{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  for (int s = 0; s < 2; ++s) {  // w[s]: keys s, s+2, s+4, s+6 in 2 lanes each
+    w[s] = fold(u[s], u[s + 2], vi{0, 1, 8, 9, 4, 5, 12, 13}, vi{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  return fold(w[0], w[1], vi{0, 8, 2, 10, 4, 12, 6, 14}, vi{1, 9, 3, 11, 5, 13, 7, 15});
+#endif
+}
+
+// the scores of a tile's n float32 keys (row stride `stride`) for one query q (dim, a multiple
+// of kVec), kVec keys at a time
+inline void tile_scores(const float* q, const float* tile, int64_t n, int64_t stride,
+                        int64_t dim, float* out) {
+  for (int64_t base = 0; base < n; base += kVec) {
+    vf p[kVec];
+    for (int64_t s = 0; s < kVec; ++s) {
+      vf acc = {};
+      if (base + s < n) {
+        const float* key = tile + (base + s) * stride;
+        for (int64_t c = 0; c < dim; c += kVec) acc += load_vec(q + c) * load_vec(key + c);
+      }
+      p[s] = acc;
+    }
+    const vf y = transposed_sum(p);
+    for (int64_t s = 0; s < std::min(kVec, n - base); ++s) out[base + s] = y[s];
+  }
 }
 
 // ask for rows [0, n) of a tile (row stride `stride`, `dim` elements each) to be cached
@@ -130,7 +156,7 @@ void write_new(const at::Tensor& x, const at::Tensor& pool, const int64_t* block
   }
 }
 
-template <typename T>
+template <typename T, typename O>  // pools of T, outputs of O
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
             const int32_t* tables, int64_t table_width, const int32_t* ctx_lens, int64_t n_seq,
             double scale, at::Tensor& out) {
@@ -140,16 +166,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
   const T* vp = v_pool.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   const int64_t kb = k_pool.stride(0), ks = k_pool.stride(1), kh = k_pool.stride(2);
   const int64_t vb = v_pool.stride(0), vs = v_pool.stride(1), vh = v_pool.stride(2);
   int64_t work = 0;
   for (int64_t b = 0; b < n_seq; ++b) work += int64_t(ctx_lens[b]) * n_head * dim;
   const int64_t tasks = n_seq * n_kv;
   const int64_t grain = work < kSerialWork ? tasks : 1;
-  // float32 tiles of 16 keys with whole 16-lane rows take `tile_scores` (a choice of the pools'
-  // shape alone: a sequence's scores never depend on its batch)
-  const bool tiled = bs <= 16 && dim % 16 == 0;
+  // float32 keys in rows of whole vectors take `tile_scores` (a choice of the pools' shape
+  // alone: a sequence's scores never depend on its batch)
+  const bool tiled = dim % kVec == 0;
 
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores;
@@ -203,9 +229,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        T* dst = op + b * out.stride(0) + (h * group + g) * out.stride(1);
+        O* dst = op + b * out.stride(0) + (h * group + g) * out.stride(1);
         const float inv = qf[g * dim];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(acc[g * dim + d] * inv);
       }
     }
   });
@@ -243,8 +269,85 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
     const int64_t* offset = write_offset.data_ptr<int64_t>();
     write_new<scalar_t>(k, k_pool, block, offset);
     write_new<scalar_t>(v, v_pool, block, offset);
-    attend<scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+    attend<scalar_t, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
                      context_lens.data_ptr<int32_t>(), n_decode, scale, out);
+  });
+  return out;
+}
+
+// one row of rotary: x * cos + rotate_half(x) * sin with sin's first half negated
+// (model/rotary.py), two products rounded and then added as PyTorch does (no fused multiply-add,
+// which moves a GGUF model at its bits off its float twin)
+template <typename In>
+__attribute__((optimize("fp-contract=off"))) void rotate_row(const In* x, const float* cos,
+                                                             const float* sin, int64_t dim,
+                                                             float* y) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float turned = static_cast<float>(x[i < half ? i + half : i - half]);
+    const float a = static_cast<float>(x[i]) * cos[i];
+    const float b = turned * sin[i];
+    y[i] = a + b;
+  }
+}
+
+// A decode step of a layer from its fused q/k/v product: qkv (N, (H + 2 H_kv) * D) float32 or
+// bfloat16, one new token per sequence (N sequences); cos and sin (N, D) float32 of each token's
+// position (model/rotary.py). Rotates q and k in float32, writes k and v to float32 pools at
+// (write_block, write_offset), attends, and returns (N, H, D) in out_dtype (the dtype of the
+// product that follows): what the PyTorch steps between the two products computed, in one call.
+at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& write_block, const at::Tensor& write_offset,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t n_head, double scale, at::ScalarType out_dtype) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+                  k_pool.dim() == 4 && k_pool.stride(-1) == 1 && v_pool.stride(-1) == 1,
+              "the pools must be float32 (blocks, slots, H_kv, D) with contiguous rows");
+  const int64_t n = qkv.size(0), n_kv = k_pool.size(2), dim = k_pool.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (n_head + 2 * n_kv) * dim &&
+                  n_head % n_kv == 0 && dim % 2 == 0,
+              "qkv must be (N, (H + 2 H_kv) * D) with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * dim &&
+                  sin.numel() == n * dim,
+              "cos and sin must be contiguous float32 (N, D)");
+  TORCH_CHECK(write_block.scalar_type() == at::kLong && write_offset.scalar_type() == at::kLong &&
+                  write_block.is_contiguous() && write_offset.is_contiguous() &&
+                  write_block.numel() == n && write_offset.numel() == n,
+              "write_block and write_offset must be (N,) contiguous int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() == n && block_tables.size(0) == n,
+              "block_tables (N, nb) and context_lens (N,) must be contiguous int32");
+  const auto f32 = qkv.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({n, n_head, dim}, f32);
+  at::Tensor k = at::empty({n, n_kv, dim}, f32);
+  at::Tensor v = at::empty({n, n_kv, dim}, f32);
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "paged_decode_qkv", [&] {
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* row = qkv.data_ptr<scalar_t>() + t * qkv.stride(0);
+      for (int64_t h = 0; h < n_head; ++h) {
+        rotate_row(row + h * dim, cp + t * dim, sp + t * dim, dim, qp + (t * n_head + h) * dim);
+      }
+      for (int64_t h = 0; h < n_kv; ++h) {
+        rotate_row(row + (n_head + h) * dim, cp + t * dim, sp + t * dim, dim,
+                   kp + (t * n_kv + h) * dim);
+        const scalar_t* value = row + (n_head + n_kv + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) vp[(t * n_kv + h) * dim + d] = static_cast<float>(value[d]);
+      }
+    }
+  });
+  const int64_t* block = write_block.data_ptr<int64_t>();
+  const int64_t* offset = write_offset.data_ptr<int64_t>();
+  write_new<float>(k, k_pool, block, offset);
+  write_new<float>(v, v_pool, block, offset);
+  at::Tensor out = at::empty({n, n_head, dim}, qkv.options().dtype(out_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "paged_decode_qkv_out", [&] {
+    attend<float, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(),
+                            block_tables.size(1), context_lens.data_ptr<int32_t>(), n, scale, out);
   });
   return out;
 }
@@ -257,4 +360,9 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
       "Tensor write_block, Tensor write_offset, Tensor block_tables, Tensor context_lens, "
       "int n_decode, float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+  m.def(
+      "paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+      "Tensor write_block, Tensor write_offset, Tensor block_tables, Tensor context_lens, "
+      "int n_head, float scale, ScalarType out_dtype) -> Tensor");
+  m.impl("paged_decode_qkv", c10::DispatchKey::CPU, &paged_decode_qkv);
 }

@@ -13,6 +13,7 @@ from kernels.backends import CpuPagedBackend, KVSpec
 from kernels.cpu import native
 from kernels.metadata import AttentionMetadata, KVWrite
 from kernels.reference import paged_attention_reference
+from model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 # a host that runs the tests has a C++ compiler; only GPTSERVE_NATIVE=0 turns the kernel off
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
@@ -120,3 +121,34 @@ def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(monkeypa
     with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
         assert native.native_ops.__wrapped__() is None
     assert "CPU kernels not built (error: no C++ compiler)" in caplog.text
+
+
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out_dtype):
+    n_head, n_kv, dim, bs = 6, 2, 32, 8
+    ctx = [5, 19, 8]
+    _, k, v, meta = paged_batch(ctx, [1, 1, 1], bs, n_head=n_head, head_dim=dim,
+                                dtype=torch.float32, device="cpu", head_major=True,
+                                n_kv_head=n_kv)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, (n_head + 2 * n_kv) * dim, generator=gen).to(qkv_dtype)
+    inv_freq = rotary_inv_freq(dim, 10000.0)
+    cos, sin = rotary_cos_sin(meta.positions, inv_freq, torch.float32)  # (N, 1, D) each
+    # what the model computes without the kernel: split, rotate, write, attend
+    heads = qkv.float().view(3, n_head + 2 * n_kv, dim)
+    qk = apply_rotary(heads[:, : n_head + n_kv], cos, sin)
+    q, k_new, v_new = qk[:, :n_head], qk[:, n_head:], heads[:, n_head + n_kv :]
+    at = KVWrite.of(meta, bs)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[at.block, at.offset], want_v[at.block, at.offset] = k_new, v_new
+    ref = paged_attention_reference(q, want_k, want_v, meta)
+    out = native.native_ops().paged_decode_qkv(
+        qkv, cos.view(3, dim), sin.view(3, dim), k, v, at.block, at.offset, meta.block_tables,
+        meta.context_lens, n_head, dim**-0.5, out_dtype,
+    )  # fmt: skip
+    # the rotated keys are PyTorch's to the bit (two products rounded, then added)
+    assert torch.equal(k.nan_to_num(7), want_k.nan_to_num(7))
+    assert torch.equal(v.nan_to_num(7), want_v.nan_to_num(7))
+    assert out.shape == (3, n_head, dim) and out.dtype == out_dtype
+    assert rel_error(out, ref) < TOLERANCE[out_dtype]
