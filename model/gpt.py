@@ -46,6 +46,15 @@ def _norm(config: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
 
 
+def _submodules(module: nn.Module, *names: str) -> tuple[nn.Module, ...]:
+    """`module`'s children by name, read from its dict. The cached forward runs once a layer and
+    step: `module.name` (Module.__getattr__) and calling a child (Module.__call__, for hooks,
+    which inference does not use) cost about a microsecond each, half a millisecond a step of a
+    30-layer model, so that path reads children here and calls their `forward`."""
+    children = module._modules
+    return tuple(children[name] for name in names)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer)."""
 
@@ -57,6 +66,7 @@ class CausalSelfAttention(nn.Module):
         q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         self.c_attn = nn.Linear(config.n_embd, q_width + 2 * kv_width, bias=config.attn_bias)
         self.c_proj = nn.Linear(q_width, config.n_embd, bias=config.bias)
+        self.qk_norm = config.qk_norm  # a plain flag: `hasattr` on a module raises inside
         if config.qk_norm:  # Qwen3: each head's query and key normalized before the rotation
             self.q_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps)
@@ -73,7 +83,7 @@ class CausalSelfAttention(nn.Module):
         """c_attn's (..., T, (nh + 2 n_kv) * hs) -> q, k, v as `_qkv` returns them."""
         qkv = qkv.unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.head_dim))
         qk, v = qkv.split((self.n_head + self.n_kv_head, self.n_kv_head), dim=-2)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = qk.split((self.n_head, self.n_kv_head), dim=-2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)
         if rope is not None:  # queries and keys rotated together: one position per token
@@ -93,16 +103,17 @@ class CausalSelfAttention(nn.Module):
         rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
         N = x.shape[0]
-        qkv = self.c_attn(x)  # (N, (nh + 2 n_kv) * hs)
+        c_attn, c_proj = _submodules(self, "c_attn", "c_proj")
+        qkv = c_attn.forward(x)  # (N, (nh + 2 n_kv) * hs)
         y = None
         fused = getattr(cache, "attend_qkv", None)  # a cache's one-call decode, if it has one
-        if fused is not None and rope is not None and not hasattr(self, "q_norm"):
+        if fused is not None and rope is not None and not self.qk_norm:
             # None unless this step and cache suit it; else (N, nh, hs) in the dtype c_proj takes
-            y = fused(layer, qkv, rope, plan, self.n_head, getattr(self.c_proj, "op_dtype", None))
+            y = fused(layer, qkv, rope, plan, self.n_head, getattr(c_proj, "op_dtype", None))
         if y is None:
             q, k, v = self._heads(qkv, rope)  # (N, nh, hs), (N, n_kv, hs), (N, n_kv, hs)
             y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first
-        return self.c_proj(y.reshape(N, self.n_head * self.head_dim))
+        return c_proj.forward(y.reshape(N, self.n_head * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -144,7 +155,11 @@ class Block(nn.Module):
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan,
         rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
-        return self._residual(x, lambda h: self.attn.forward_cached(h, cache, layer, plan, rope))
+        ln_1, attn, ln_2, mlp = _submodules(self, "ln_1", "attn", "ln_2", "mlp")
+        if self.pre_norm:  # `_residual`, with the submodules read once
+            x = x + attn.forward_cached(ln_1.forward(x), cache, layer, plan, rope)
+            return x + mlp.forward(ln_2.forward(x))
+        return self._residual(x, lambda h: attn.forward_cached(h, cache, layer, plan, rope))
 
     def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
         if self.pre_norm:

@@ -82,8 +82,9 @@ class Int4Linear(nn.Module):
             rows = blocks.expand(-1, -1, self.input_copies, -1).reshape(rows.shape[0], -1)
         if not rows.is_contiguous():
             rows = rows.contiguous()  # (M, copies * in)
+        buffers = self._buffers  # a dict read: `self.weight` goes through Module.__getattr__
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, self.weight, GROUP, self.scales_and_zeros
+            rows, buffers["weight"], GROUP, buffers["scales_and_zeros"]
         )  # (M, out + pad) in op_dtype
         if self.pad:
             y = y[:, : self.out_features]

@@ -152,7 +152,8 @@ class Int8Linear(nn.Module):
         rows = rows.to(self.op_dtype).contiguous()
         if self.pad:
             rows = F.pad(rows, (0, self.pad))  # (M, in + pad)
-        y = int8_matmul(rows, self.weight, self.scales, self.many_rows)  # (M, out) in op_dtype
+        buffers = self._buffers  # a dict read: `self.weight` goes through Module.__getattr__
+        y = int8_matmul(rows, buffers["weight"], buffers["scales"], self.many_rows)  # (M, out)
         if self.bias is not None:
             y = torch.add(self.bias, y)  # in the bias's dtype: the add is the cast back
         want = self.out_dtype or x.dtype

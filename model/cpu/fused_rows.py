@@ -42,7 +42,8 @@ class FusedRMSNorm(nn.Module):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, C)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = self.op(rows, self.weight, self.eps, self.out_dtype or x.dtype)  # (M, C)
+        weight = self._parameters["weight"]  # a dict read, not Module.__getattr__
+        y = self.op(rows, weight, self.eps, self.out_dtype or x.dtype)  # (M, C)
         return y if x.dim() == 2 else y.view(x.shape)
 
 
@@ -57,10 +58,11 @@ class FusedSwiGLU(nn.Module):
             self.c_fc.out_dtype = _input_dtype(self.c_fc)  # silu_mul reads bfloat16 as well
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)  # (..., 2W): gate, then up
+        modules = self._modules  # dict reads and `forward`: see model.gpt._submodules
+        h = modules["c_fc"].forward(x)  # (..., 2W): gate, then up
         rows = h if h.dim() == 2 else h.reshape(-1, h.shape[-1])
         y = self.op(rows, self.mid_dtype or x.dtype)  # (M, W)
-        out = self.c_proj(y)  # (M, C), in the product's dtype (the residual add promotes)
+        out = modules["c_proj"].forward(y)  # (M, C) in the product's dtype (the residual promotes)
         return out if h.dim() == 2 else out.view(*h.shape[:-1], out.shape[-1])
 
 
