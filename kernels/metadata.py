@@ -172,7 +172,9 @@ class AttentionPlan:
 
 class PagedKV(Protocol):
     """What a model's cached forward needs of a KV cache: one plan per step, then per layer a
-    write of the new keys and values and attention over everything cached."""
+    write of the new keys and values and attention over everything cached. A cache may also
+    offer `attend_qkv(layer, qkv, rope, plan, n_head, out_dtype)`, a whole decode layer from the
+    q/k/v product in one call or None (`engine.kv_cache.KVCache`); the model tries it first."""
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan: ...
 

@@ -43,7 +43,10 @@ from model.int4_linear import Int4Linear
 QUANTIZATIONS = ("none", "int8", "dequantize")
 K_MULTIPLE = 16  # input channels the CPU kernel reads at a time
 ALIGN_BYTES = 64  # the CPU kernel's aligned loads need 32; PyTorch's allocator gives 64
-MANY_ROWS = 16  # from this many rows on, dequantize and use the ordinary product (CPU-measured)
+# from this many rows on, dequantize and use the ordinary product: measured per call with native
+# bfloat16 (docs/BENCHMARKS.md, "AVX2 hosts"), the int8 kernel wins at 16 rows for every matrix
+# (SmolLM2's head 3.6 against 5.4 ms) and ties or loses at 32 (the head 7.1 against 6.6 ms)
+MANY_ROWS = 32
 
 
 def dequantize_from_rows(device: torch.device) -> int | None:
