@@ -21,6 +21,15 @@ for _key, _value in {
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load) the compiled CPU kernels once, before any test: servers that tests start
+    in subprocesses then load the build from PyTorch's cache instead of compiling it against
+    their start-up deadline."""
+    from kernels.cpu.native import native_ops
+
+    native_ops()
+
+
 def save_tiny_gpt(path: Path, block_size: int = 256) -> Path:
     """A tiny random GPT-2-shaped checkpoint (2 layers, 4 heads, 64 wide) saved at `path`."""
     torch.manual_seed(0)
