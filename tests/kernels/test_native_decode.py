@@ -152,3 +152,21 @@ def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out
     assert torch.equal(v.nan_to_num(7), want_v.nan_to_num(7))
     assert out.shape == (3, n_head, dim) and out.dtype == out_dtype
     assert rel_error(out, ref) < TOLERANCE[out_dtype]
+
+
+def test_metadata_pointing_outside_the_pool_is_refused_not_read():
+    q, k, v, meta = paged_batch([9], [1], 4, n_head=2, head_dim=16, dtype=torch.float32,
+                                device="cpu", head_major=True)  # fmt: skip
+    at = KVWrite.of(meta, 4)
+    k_new, v_new = k[at.block, at.offset].clone(), v[at.block, at.offset].clone()
+    op = native.native_ops().paged_decode
+    bad_table = meta.block_tables.clone()
+    bad_table[0, 1] = k.shape[0] + 5
+    with pytest.raises(RuntimeError, match="past the pool"):
+        op(q, k_new, v_new, k, v, at.block, at.offset, bad_table, meta.context_lens, 1, 0.25)
+    too_long = meta.context_lens + 100
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        op(q, k_new, v_new, k, v, at.block, at.offset, meta.block_tables, too_long, 1, 0.25)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, k_new, v_new, k, v, at.block + 1000, at.offset, meta.block_tables,
+           meta.context_lens, 1, 0.25)  # fmt: skip
