@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/pow.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -17,47 +18,36 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kRowsPerTask = 8;
 
-template <typename In, typename Out>
-void rms_norm_rows(const In* x, const float* w, Out* y, int64_t rows, int64_t width, double eps) {
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const In* row = x + r * width;
-      float acc[kLanes] = {0.f};  // sum of squares in lanes, then a tree: a fixed order
-      int64_t c = 0;
-      for (; c + kLanes <= width; c += kLanes) {
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const float v = static_cast<float>(row[c + l]);
-          acc[l] += v * v;
-        }
-      }
-      for (; c < width; ++c) acc[c % kLanes] += static_cast<float>(row[c]) * static_cast<float>(row[c]);
-      for (int64_t half = kLanes / 2; half > 0; half /= 2) {
-        for (int64_t l = 0; l < half; ++l) acc[l] += acc[l + half];
-      }
-      const float inv = 1.f / std::sqrt(acc[0] / static_cast<float>(width) + static_cast<float>(eps));
-      Out* out = y + r * width;
-      for (int64_t i = 0; i < width; ++i) out[i] = static_cast<Out>(static_cast<float>(row[i]) * inv * w[i]);
-    }
-  });
-}
-
-// x (M, C) float32/bfloat16/float16, weight (C,) float32 -> (M, C) in out_dtype:
-// x * rsqrt(mean(x^2) + eps) * weight, all in float32
+// x (M, C) float32, weight (C,) float32 -> (M, C) in out_dtype: x * rsqrt(mean(x^2) + eps) *
+// weight as PyTorch's rms_norm computes it in float32, to the bit: the mean of squares by ATen's
+// own reduction (whose order a hand-written sum would not keep: one flipped bfloat16 rounding
+// per layer moved a GGUF model's top-1 agreement with its float twin from 99.0 to 98.4 %), then
+// the two products, rounded one after the other, and the cast
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     at::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be (M, C) contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                  x.scalar_type() == at::kFloat,
+              "x must be (M, C) contiguous float32");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
                   weight.scalar_type() == at::kFloat,
               "weight must be (C,) float32");
+  const at::Tensor inv = at::pow(x, 2).mean(-1, true).add_(eps).rsqrt_();  // (M, 1)
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_in", [&] {
-    using In = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm_out", [&] {
-      rms_norm_rows<In, scalar_t>(x.data_ptr<In>(), weight.data_ptr<float>(), y.data_ptr<scalar_t>(),
-                                  x.size(0), x.size(1), eps);
+  const int64_t rows = x.size(0), width = x.size(1);
+  const float* src = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* scale = inv.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm", [&] {
+    scalar_t* dst = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < width; ++i) {
+          const float normed = src[r * width + i] * scale[r];
+          dst[r * width + i] = static_cast<scalar_t>(normed * w[i]);
+        }
+      }
     });
   });
   return y;
