@@ -264,7 +264,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         return ops.paged_decode_qkv(
             qkv, cos.view(n, -1), sin.view(n, -1), k_pool, v_pool, plan.write.block,
             plan.write.offset, meta.block_tables, meta.context_lens, n_head, scale,
-            out_dtype or qkv.dtype,
+            out_dtype or torch.float32,
         )  # fmt: skip
 
     def attend(

@@ -61,7 +61,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 rows need a multiple of {GROUP} inputs, got {width}")
         self.in_features, self.input_copies = width // input_copies, input_copies
         self.dtype, self.op_dtype = dtype, op_dtype
-        self.out_dtype: torch.dtype | None = None  # None: the input's dtype
+        self.out_dtype: torch.dtype | None = None  # None: `dtype`
         self.pad = -self.out_features % ROW_MULTIPLE
         scales = torch.from_numpy(groups.scales)  # (out, width / 32)
         zeros = torch.from_numpy(groups.zeros)
@@ -90,7 +90,7 @@ class Int4Linear(nn.Module):
             y = y[:, : self.out_features]
         if self.bias is not None:
             y = torch.add(self.bias, y)  # in the bias's dtype: the add is the cast back
-        want = self.out_dtype or x.dtype
+        want = self.out_dtype or self.dtype
         if y.dtype != want:
             y = y.to(want)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

@@ -139,7 +139,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.dtype = dtype  # of inputs, outputs and bias
         self.op_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
-        self.out_dtype: torch.dtype | None = None  # None: the input's dtype
+        self.out_dtype: torch.dtype | None = None  # None: `dtype`
         self.pad = -self.in_features % K_MULTIPLE
         self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
         self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
@@ -159,7 +159,7 @@ class Int8Linear(nn.Module):
         y = int8_matmul(rows, buffers["weight"], buffers["scales"], self.many_rows)  # (M, out)
         if self.bias is not None:
             y = torch.add(self.bias, y)  # in the bias's dtype: the add is the cast back
-        want = self.out_dtype or x.dtype
+        want = self.out_dtype or self.dtype
         if y.dtype != want:
             y = y.to(want)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

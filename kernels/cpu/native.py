@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import re
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,8 @@ def host_tag() -> str:
     per tag, so an extension cache shared by hosts of two kinds never hands one the other's."""
     flags = platform.machine()
     try:
-        with open("/proc/cpuinfo") as info:
-            flags += next((line for line in info if line.startswith("flags")), "")
+        with open("/proc/cpuinfo") as info:  # x86 says "flags", ARM "Features"
+            flags += next((ln for ln in info if ln.startswith(("flags", "Features"))), "")
     except OSError:
         pass
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
@@ -64,14 +65,24 @@ def native_ops() -> Any | None:
     if not enabled():
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        # PyTorch rebuilds when a source changes, not a header: the name covers both
-        code = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
+        # PyTorch rebuilds when a source changes, not a header or itself: the name covers them
+        code = hashlib.sha256(torch.__version__.encode())
+        for path in SOURCES + HEADERS:
+            code.update(path.read_bytes())
         arch = os.environ.get("GPTSERVE_NATIVE_ARCH", "native").strip() or "native"
         arch_tag = re.sub(r"\W", "_", arch)
-        name = f"gptserve_cpu_{host_tag()}_{arch_tag}_{code[:8]}"
-        log.info("loading the CPU kernels (compiled once per host: about 20 s)")
+        name = f"gptserve_cpu_{host_tag()}_{arch_tag}_{code.hexdigest()[:8]}"
+        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        if built.is_file():  # the name says what it was built from: load it, no lock taken
+            try:
+                torch.ops.load_library(str(built))
+                return torch.ops.gptserve_cpu
+            except OSError:  # cut short while it was written: build it again
+                built.unlink()
+        _clear_stale_lock(built.parent)
+        log.info("compiling the CPU kernels for this host (once: about 20 s)")
         sources = [str(p) for p in SOURCES]
         flags = [*FLAGS, f"-march={arch}"]
         load(name, sources, flags, extra_ldflags=["-fopenmp"], is_python_module=False)
@@ -80,6 +91,18 @@ def native_ops() -> Any | None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("CPU kernels not built (%s); using PyTorch operations", first)
         return None
+
+
+def _clear_stale_lock(build_dir: Path, stale_after: float = 300.0) -> None:
+    """Remove a build lock left by a process killed while compiling (PyTorch's builder waits on
+    it forever); a build takes well under `stale_after` seconds."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > stale_after:
+            lock.unlink()
+            log.warning("removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        pass
 
 
 def paged_decode_op() -> Any | None:

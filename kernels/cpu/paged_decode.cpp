@@ -148,11 +148,6 @@ void write_new(const at::Tensor& x, const at::Tensor& pool, const int64_t* block
   const T* src = x.data_ptr<T>();
   T* dst = pool.data_ptr<T>();
   for (int64_t n = 0; n < n_tok; ++n) {
-    TORCH_CHECK(block[n] >= 0 && block[n] < pool.size(0) && offset[n] >= 0 &&
-                    offset[n] < pool.size(1),
-                "a new token's slot lies outside the pool");
-  }
-  for (int64_t n = 0; n < n_tok; ++n) {
     for (int64_t h = 0; h < n_kv; ++h) {
       const T* from = src + n * x.stride(0) + h * x.stride(1);
       T* to = dst + block[n] * pool.stride(0) + offset[n] * pool.stride(1) + h * pool.stride(2);
@@ -174,17 +169,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   O* op = out.data_ptr<O>();
   const int64_t kb = k_pool.stride(0), ks = k_pool.stride(1), kh = k_pool.stride(2);
   const int64_t vb = v_pool.stride(0), vs = v_pool.stride(1), vh = v_pool.stride(2);
-  const int64_t n_blocks = k_pool.size(0);
-  int64_t work = 0;
-  for (int64_t b = 0; b < n_seq; ++b) {  // what the tasks will read, checked before they run
-    const int64_t ctx = ctx_lens[b];
-    TORCH_CHECK(ctx > 0 && ctx <= table_width * bs, "a context length outside its block table");
-    for (int64_t j = 0; j < (ctx + bs - 1) / bs; ++j) {
-      const int64_t block = tables[b * table_width + j];
-      TORCH_CHECK(block >= 0 && block < n_blocks, "a block table names a block past the pool");
-    }
-    work += ctx * n_head * dim;
-  }
+  int64_t work = 0;  // (`check_step` has checked every context and table entry read below)
+  for (int64_t b = 0; b < n_seq; ++b) work += int64_t(ctx_lens[b]) * n_head * dim;
   const int64_t tasks = n_seq * n_kv;
   const int64_t grain = work < kSerialWork ? tasks : 1;
   // float32 keys in rows of whole vectors take `tile_scores` (a choice of the pools' shape
@@ -253,8 +239,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
 
 // the step's slots, (n_tokens,) int64 blocks and offsets, and the tables (B, nb) and context
 // lengths (B,) int32 of its sequences, the first n_seq of them decoding
-void check_step(const at::Tensor& write_block, const at::Tensor& write_offset, int64_t n_tokens,
+void check_step(const at::Tensor& k_pool, const at::Tensor& v_pool,
+                const at::Tensor& write_block, const at::Tensor& write_offset, int64_t n_tokens,
                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_seq) {
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() &&
+                  v_pool.scalar_type() == k_pool.scalar_type() && k_pool.stride(-1) == 1 &&
+                  v_pool.stride(-1) == 1,
+              "the pools must be alike, (blocks, slots, H_kv, D) with contiguous rows");
   TORCH_CHECK(write_block.scalar_type() == at::kLong && write_offset.scalar_type() == at::kLong &&
                   write_block.is_contiguous() && write_offset.is_contiguous() &&
                   write_block.numel() == n_tokens && write_offset.numel() == n_tokens,
@@ -264,6 +255,24 @@ void check_step(const at::Tensor& write_block, const at::Tensor& write_offset, i
                   context_lens.is_contiguous() && context_lens.numel() >= n_seq &&
                   block_tables.size(0) >= n_seq,
               "block_tables (B, nb) and context_lens (B,) must be contiguous int32");
+  const int64_t n_blocks = k_pool.size(0), slots = k_pool.size(1);
+  const int64_t* block = write_block.data_ptr<int64_t>();
+  const int64_t* offset = write_offset.data_ptr<int64_t>();
+  for (int64_t n = 0; n < n_tokens; ++n) {
+    TORCH_CHECK(block[n] >= 0 && block[n] < n_blocks && offset[n] >= 0 && offset[n] < slots,
+                "a new token's slot lies outside the pool");
+  }
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx_lens = context_lens.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t b = 0; b < n_seq; ++b) {  // what the attention will read, before anything is written
+    const int64_t ctx = ctx_lens[b];
+    TORCH_CHECK(ctx > 0 && ctx <= width * slots, "a context length outside its block table");
+    for (int64_t j = 0; j < (ctx + slots - 1) / slots; ++j) {
+      const int64_t entry = tables[b * width + j];
+      TORCH_CHECK(entry >= 0 && entry < n_blocks, "a block table names a block past the pool");
+    }
+  }
 }
 
 // q (N, H, D); k, v (N, H_kv, D): the step's new tokens, the first n_decode of them one per
@@ -284,7 +293,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k.size(1) == k_pool.size(2) && k.size(2) == k_pool.size(3), "k does not fit pool");
-  check_step(write_block, write_offset, k.size(0), block_tables, context_lens, n_decode);
+  TORCH_CHECK(v.sizes() == k.sizes() && q.size(0) == k.size(0) && n_decode <= q.size(0) &&
+                  q.size(2) == k_pool.size(3),
+              "q (N, H, D), k and v (N, H_kv, D) must fit each other and the pools");
+  check_step(k_pool, v_pool, write_block, write_offset, k.size(0), block_tables, context_lens,
+             n_decode);
   at::Tensor out = at::empty({n_decode, q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const int64_t* block = write_block.data_ptr<int64_t>();
@@ -334,7 +347,7 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
                   cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * dim &&
                   sin.numel() == n * dim,
               "cos and sin must be contiguous float32 (N, D)");
-  check_step(write_block, write_offset, n, block_tables, context_lens, n);
+  check_step(k_pool, v_pool, write_block, write_offset, n, block_tables, context_lens, n);
   const auto f32 = qkv.options().dtype(at::kFloat);
   at::Tensor q = at::empty({n, n_head, dim}, f32);
   at::Tensor k = at::empty({n, n_kv, dim}, f32);

@@ -54,7 +54,7 @@ class FusedSwiGLU(nn.Module):
     def __init__(self, mlp: MLP, ops: Any) -> None:
         super().__init__()
         self.c_fc, self.c_proj, self.op = mlp.c_fc, mlp.c_proj, ops.silu_mul
-        self.mid_dtype = _input_dtype(mlp.c_proj)
+        self.mid_dtype = _input_dtype(mlp.c_proj) or torch.float32  # a float c_proj: float32
         if _input_dtype(self.c_fc) is not None and self.c_fc.bias is None:
             self.c_fc.out_dtype = _input_dtype(self.c_fc)  # silu_mul reads bfloat16 as well
 
@@ -84,8 +84,8 @@ def install_fused_rows(model: GPT, ops: Any) -> int:
             c_attn.out_dtype = torch.float32
         block.ln_2 = FusedRMSNorm(block.ln_2, ops, _input_dtype(block.mlp.c_fc))
         block.mlp = FusedSwiGLU(block.mlp, ops)
-        c_proj = block.attn.c_proj
-        if _input_dtype(c_proj) is not None and c_proj.bias is None:
-            c_proj.out_dtype = _input_dtype(c_proj)  # the residual add takes it as it is
+        for c_proj in (block.attn.c_proj, block.mlp.c_proj):
+            if _input_dtype(c_proj) is not None and c_proj.bias is None:
+                c_proj.out_dtype = _input_dtype(c_proj)  # the residual add takes it as it is
         changed += 1
     return changed

@@ -4,6 +4,7 @@ attention (grouped-query, shared blocks, every dtype), its batch invariance and 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -109,10 +110,16 @@ def test_the_backend_takes_the_decodes_and_leaves_the_rest_to_pytorch():
     assert python.plan(meta, KVSpec(1, k.shape[0], 4, 2, 8, torch.float32, k.device)).decode
 
 
-def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(monkeypatch, caplog):
+def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(
+    monkeypatch, caplog, tmp_path
+):
     monkeypatch.setenv("GPTSERVE_NATIVE", "0")
     assert native.native_ops.__wrapped__() is None
     monkeypatch.setenv("GPTSERVE_NATIVE", "1")
+    # nothing built yet (an empty build folder), and no compiler to build with
+    monkeypatch.setattr(
+        "torch.utils.cpp_extension._get_build_directory", lambda name, verbose: str(tmp_path)
+    )
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: no C++ compiler\nmore detail")
@@ -170,3 +177,31 @@ def test_metadata_pointing_outside_the_pool_is_refused_not_read():
     with pytest.raises(RuntimeError, match="outside the pool"):
         op(q, k_new, v_new, k, v, at.block + 1000, at.offset, meta.block_tables,
            meta.context_lens, 1, 0.25)  # fmt: skip
+
+
+def test_tensors_that_do_not_fit_the_pools_are_refused_before_anything_is_written():
+    q, k, v, meta = paged_batch([9], [1], 4, n_head=2, head_dim=16, dtype=torch.float32,
+                                device="cpu", head_major=True)  # fmt: skip
+    at = KVWrite.of(meta, 4)
+    k_new = k[at.block, at.offset].clone()
+    k_before = k.clone()
+    op = native.native_ops().paged_decode
+    wide_v = torch.randn(1, 2, 32)  # a head twice the pool's
+    with pytest.raises(RuntimeError, match="must fit each other and the pools"):
+        op(q, k_new, wide_v, k, v, at.block, at.offset, meta.block_tables, meta.context_lens,
+           1, 0.25)  # fmt: skip
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        op(q, k_new, k_new, k, v, at.block, at.offset, meta.block_tables,
+           meta.context_lens + 100, 1, 0.25)  # fmt: skip
+    assert torch.equal(k.nan_to_num(7), k_before.nan_to_num(7))  # refused before the write
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._clear_stale_lock(tmp_path)
+    assert lock.exists()  # another process may be building right now
+    old = lock.stat().st_mtime - 3600
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(tmp_path)  # its builder was killed an hour ago
+    assert not lock.exists()

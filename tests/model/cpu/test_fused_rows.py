@@ -84,3 +84,17 @@ def test_the_wing_installs_them_on_a_float32_llama_only():
     half = _llama().to(torch.bfloat16)
     assert install_fused_rows(half, native_ops()) == 0  # its norm multiplies after the cast
     assert all(isinstance(b.mlp, MLP) for b in half.transformer.h)
+
+
+def test_a_quantized_gate_beside_a_float_down_projection():
+    # a GGUF file may keep ffn_down in float: c_fc's bfloat16 must not reach a float32 c_proj
+    model = _llama(n_layer=1)
+    mlp = model.transformer.h[0].mlp
+    mlp.c_fc = _int4(mlp.c_fc)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        want = model.transformer.h[0].mlp(x)
+        install_fused_rows(model, native_ops())
+        got = model.transformer.h[0].mlp(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
