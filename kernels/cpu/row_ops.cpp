@@ -6,7 +6,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/pow.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -15,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -33,12 +35,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
                   weight.scalar_type() == at::kFloat,
               "weight must be (C,) float32");
-  const at::Tensor inv = at::pow(x, 2).mean(-1, true).add_(eps).rsqrt_();  // (M, 1)
-  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t rows = x.size(0), width = x.size(1);
   const float* src = x.data_ptr<float>();
+  at::Tensor squares = at::empty_like(x);  // x^2: pow(x, 2) is x * x
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < rows * width; ++i) sq[i] = src[i] * src[i];
+  // the reduction is ATen's own; mean is that sum divided by the width, then + eps, then
+  // 1 / sqrt(): each rounded in float32 as ATen's div_, add_ and rsqrt_ round them
+  const at::Tensor sums = at::sum(squares, -1);  // (M,)
+  std::vector<float> scale(rows);
+  const float* sum = sums.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float mean = sum[r] / static_cast<float>(width);
+    scale[r] = 1.f / std::sqrt(mean + static_cast<float>(eps));
+  }
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const float* w = weight.data_ptr<float>();
-  const float* scale = inv.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "rms_norm", [&] {
     scalar_t* dst = y.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {

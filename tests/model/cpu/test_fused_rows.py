@@ -35,11 +35,12 @@ def _int4(linear: torch.nn.Linear) -> Int4Linear:
 
 
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_the_norm_is_rmsnorm_written_in_the_dtype_asked(out_dtype):
-    norm = RMSNorm(200, eps=1e-5)
+@pytest.mark.parametrize("rows, width", [(15, 200), (1, 576), (7, 37), (64, 2048)])
+def test_the_norm_is_rmsnorm_written_in_the_dtype_asked(out_dtype, rows, width):
+    norm = RMSNorm(width, eps=1e-5)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(3, 5, 200) * 3
+    x = (torch.randn(rows, width) * 3).view(rows, 1, width) if rows > 1 else torch.randn(1, width)
     fused = FusedRMSNorm(norm, native_ops(), out_dtype)
     got, want = fused(x), norm(x)
     assert got.shape == x.shape and got.dtype == (out_dtype or torch.float32)
