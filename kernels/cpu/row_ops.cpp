@@ -23,10 +23,10 @@ namespace {
 constexpr int64_t kRowsPerTask = 8;
 
 // x (M, C) float32, weight (C,) float32 -> (M, C) in out_dtype: x * rsqrt(mean(x^2) + eps) *
-// weight as PyTorch's rms_norm computes it in float32, to the bit: the mean of squares by ATen's
+// weight as PyTorch's rms_norm computes it in float32, to the bit: the sum of squares by ATen's
 // own reduction (whose order a hand-written sum would not keep: one flipped bfloat16 rounding
-// per layer moved a GGUF model's top-1 agreement with its float twin from 99.0 to 98.4 %), then
-// the two products, rounded one after the other, and the cast
+// per layer moved a GGUF model's top-1 agreement with its float twin from 99.0 to 98.4 %), the
+// rest rounded here as ATen rounds it, then the two products one after the other, and the cast
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     at::ScalarType out_dtype) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&

@@ -5,7 +5,7 @@ on silu(gate) * up and a cast before each bfloat16 product (the int4 and int8 ke
 bfloat16 rows); on a model of 135M parameters and 30 layers those small operations cost more than
 the arithmetic. `install_fused_rows(model)` swaps each float32 layer's two norms and gated
 feed-forward block for `kernels.cpu.native`'s `rms_norm` and `silu_mul`, which compute in float32
-as before (the norm as PyTorch's to the bit: its mean of squares is ATen's own reduction) and
+as before (the norm as PyTorch's to the bit: its sum of squares is ATen's own reduction) and
 write bfloat16 where a bfloat16 product reads the result. The products that end a
 branch (attention's and the feed-forward block's c_proj) then hand back their bfloat16 output,
 which the residual add takes exactly (float32 + bfloat16 adds in float32).
