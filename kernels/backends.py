@@ -200,8 +200,8 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             decodes, rest = None, meta
         else:
             decodes, rest = meta.split(n)
-        decode = None
-        if decodes is not None and self._native(spec.dtype) is None:
+        decode = None  # None with decodes: the compiled kernel takes them
+        if decodes is not None and self._native() is None:
             decode = plan_decode(decodes, spec.block_size, spec.n_kv_head)
         rest_plan = None
         if rest is not None:
@@ -214,9 +214,9 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         write = KVWrite.of(meta, spec.block_size)
         return CpuPagedPlan(meta, write, decodes, decode, rest, rest_plan)
 
-    def _native(self, dtype: torch.dtype):
-        """The compiled decode kernel, or None: not wanted, not built, or not for `dtype`."""
-        return paged_decode_op() if self.native and dtype in TRITON_DTYPES else None
+    def _native(self):
+        """The compiled decode kernel, or None: not wanted or not built."""
+        return paged_decode_op() if self.native else None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
@@ -228,22 +228,12 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         out_dtype = q.dtype
         if not out_dtype == k.dtype == v.dtype == k_pool.dtype:
             q, k, v = (t.to(k_pool.dtype) for t in (q, k, v))
-        n = plan.decodes.num_seqs  # one token each
+        meta, n = plan.decodes, plan.decodes.num_seqs  # one token each
         scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
-        meta = plan.decodes
-        out = self._native(k_pool.dtype)(
-            q,
-            k,
-            v,
-            k_pool,
-            v_pool,
-            plan.write.block,
-            plan.write.offset,
-            meta.block_tables,
-            meta.context_lens,
-            n,
-            scale,
-        )  # fmt: skip  (n, H, D)
+        out = self._native()(  # (n, H, D)
+            q, k, v, k_pool, v_pool, plan.write.block, plan.write.offset, meta.block_tables,
+            meta.context_lens, n, scale,
+        )  # fmt: skip
         if plan.rest is not None:
             out = torch.cat([out, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
         return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -254,14 +244,13 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     ) -> torch.Tensor | None:  # fmt: skip
         """The compiled `paged_decode_qkv`, for a step of decodes only over float32 pools with
         float32 rotary (as `forward` computes them, to the bit in the attention's inputs)."""
-        ops = native_ops() if self.native else None
-        if ops is None or plan.rest is not None or plan.decodes is None or plan.decode is not None:
-            return None
+        if plan.rest is not None or plan.decodes is None or plan.decode is not None:
+            return None  # not a step of decodes only that the plan gave the compiled kernel
         if k_pool.dtype != torch.float32 or cos.dtype != torch.float32:
             return None
         meta, n = plan.decodes, qkv.shape[0]
         scale = k_pool.shape[-1] ** -0.5
-        return ops.paged_decode_qkv(
+        return native_ops().paged_decode_qkv(
             qkv, cos.view(n, -1), sin.view(n, -1), k_pool, v_pool, plan.write.block,
             plan.write.offset, meta.block_tables, meta.context_lens, n_head, scale,
             out_dtype or torch.float32,

@@ -155,18 +155,16 @@ class Block(nn.Module):
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan,
         rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
-        ln_1, attn, ln_2, mlp = _submodules(self, "ln_1", "attn", "ln_2", "mlp")
-        if self.pre_norm:  # `_residual`, with the submodules read once
-            x = x + attn.forward_cached(ln_1.forward(x), cache, layer, plan, rope)
-            return x + mlp.forward(ln_2.forward(x))
+        attn = self._modules["attn"]  # see `_submodules`
         return self._residual(x, lambda h: attn.forward_cached(h, cache, layer, plan, rope))
 
     def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
+        ln_1, ln_2, mlp = _submodules(self, "ln_1", "ln_2", "mlp")
         if self.pre_norm:
-            x = x + attend(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + attend(x))  # post-LN "Add & Norm"
-        return self.ln_2(x + self.mlp(x))
+            x = x + attend(ln_1.forward(x))
+            return x + mlp.forward(ln_2.forward(x))
+        x = ln_1.forward(x + attend(x))  # post-LN "Add & Norm"
+        return ln_2.forward(x + mlp.forward(x))
 
 
 class GPT(nn.Module):

@@ -62,7 +62,7 @@ class FusedSwiGLU(nn.Module):
         modules = self._modules  # dict reads and `forward`: see model.gpt._submodules
         h = modules["c_fc"].forward(x)  # (..., 2W): gate, then up
         rows = h if h.dim() == 2 else h.reshape(-1, h.shape[-1])
-        y = self.op(rows, self.mid_dtype or x.dtype)  # (M, W)
+        y = self.op(rows, self.mid_dtype)  # (M, W)
         out = modules["c_proj"].forward(y)  # (M, C) in the product's dtype (the residual promotes)
         return out if h.dim() == 2 else out.view(*h.shape[:-1], out.shape[-1])
 
