@@ -243,8 +243,10 @@ class Engine:
             bitmask = allocate_bitmask(len(work), logits.shape[-1])
             fill_bitmask([s.constraint for s, _ in work], bitmask)
             allowed = bitmask_to_bool(bitmask, logits.shape[-1])
-        index = torch.tensor([r for _, r in work], device=logits.device)
-        out = sample(logits[index], rows, allowed)
+        picked = [r for _, r in work]
+        if picked != list(range(len(logits))):  # a decode step samples every row, in order
+            logits = logits[torch.tensor(picked, device=logits.device)]
+        out = sample(logits, rows, allowed)
         events = []
         for i, (seq, _) in enumerate(work):
             req = self._requests[seq.request_id]

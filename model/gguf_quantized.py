@@ -8,10 +8,12 @@
   exact, but finer than 4 bits would hold them (their 5- and 6-bit codes have no int4 form);
 - F32, F16, BF16: `nn.Linear` in the model's dtype, as `dequantized_state` gives them.
 
-The kernels multiply in bfloat16 (`model.int4_linear`): the scales are rounded to bfloat16 and the
-outputs too, so the model is not the float model to the last bit; tests/model/test_gguf_lowbit.py
-measures how far (SmolLM2: the top token is the float model's at 98-99% of positions, 99.0% over
-the first 512 tokens of Shakespeare, and the loss is within 0.2%).
+The int4 products run in float32 with the file's scales exactly where the compiled CPU kernels
+build, else in bfloat16 through PyTorch's kernel (`model.int4_linear`); the int8 ones in bfloat16.
+So the model is close to the float model, not equal to it: tests/model/test_gguf_lowbit.py
+measures how far (SmolLM2 over the first 512 tokens of Shakespeare: the top token is the float
+model's at every position with the compiled kernel, at 99.0% with PyTorch's; the loss within
+0.1%).
 
 A joined matrix (q/k/v, gate/up) whose parts map to different modules (a Q4_K_M file keeps some
 V matrices in Q6_K) becomes a `StackedLinear` of the parts. A quantized token table is never held

@@ -8,7 +8,9 @@ These take one call each:
 - `paged_decode` (paged_decode.cpp): a layer's key/value writes and every decoding sequence's
   attention over its blocks where they lie (`kernels.backends.CpuPagedBackend`);
 - `rms_norm` and `silu_mul` (row_ops.cpp): RMSNorm and SwiGLU's silu(gate) * up in float32,
-  written in the dtype of the product that follows (`model.cpu.optimize`).
+  written in the dtype of the product that follows (`model.cpu.optimize`);
+- `int4_matmul` (int4_matmul.cpp): products with int4 weights in groups of 32, a GGUF file's
+  Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`).
 
 They are compiled with PyTorch's extension builder (a C++ compiler and ninja, found on most
 Linux hosts; `pip install ninja` for the latter) for the host's own instruction set, the first
@@ -36,7 +38,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "row_ops.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_decode.cpp", "row_ops.cpp", "int4_matmul.cpp")
+]
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
 
@@ -109,3 +114,4 @@ def paged_decode_op() -> Any | None:
     """The compiled `paged_decode`, or None (`native_ops`)."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode
+

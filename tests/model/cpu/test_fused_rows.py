@@ -24,14 +24,14 @@ def _llama(n_layer: int = 2) -> GPT:
     return GPT(config).eval()
 
 
-def _int4(linear: torch.nn.Linear) -> Int4Linear:
+def _int4(linear: torch.nn.Linear, compiled: bool | None = None) -> Int4Linear:
     """An int4 layer of `linear`'s shape: codes 0..15, random scales and zeros per group of 32."""
     gen = torch.Generator().manual_seed(linear.out_features)
     out, width = linear.weight.shape
     codes = torch.randint(0, 16, (out, width), generator=gen, dtype=torch.uint8).numpy()
     scales = (torch.rand(out, width // 32, generator=gen) * 0.02).numpy()
     zeros = (torch.randn(out, width // 32, generator=gen) * 0.01).numpy()
-    return Int4Linear(Int4Groups(codes, scales, zeros))
+    return Int4Linear(Int4Groups(codes, scales, zeros), compiled=compiled)
 
 
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -55,24 +55,27 @@ def test_swiglu_is_silu_of_the_gate_times_up():
         torch.testing.assert_close(FusedSwiGLU(mlp, native_ops())(x), mlp(x), atol=2e-6, rtol=2e-6)
 
 
-def test_int4_layers_hand_bfloat16_along_and_the_model_computes_the_same():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-int4", "pytorch-int4"])
+def test_int4_layers_hand_their_dtype_along_and_the_model_computes_the_same(compiled):
     model = _llama()
     for block in model.transformer.h:  # every product int4, as a GGUF file's Q4 layers
-        block.attn.c_attn, block.attn.c_proj = _int4(block.attn.c_attn), _int4(block.attn.c_proj)
-        block.mlp.c_fc, block.mlp.c_proj = _int4(block.mlp.c_fc), _int4(block.mlp.c_proj)
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn, attn.c_proj = _int4(attn.c_attn, compiled), _int4(attn.c_proj, compiled)
+        mlp.c_fc, mlp.c_proj = _int4(mlp.c_fc, compiled), _int4(mlp.c_proj, compiled)
+    rows = torch.float32 if compiled else torch.bfloat16  # what each kernel takes
     idx = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(idx)
         assert install_fused_rows(model, native_ops()) == 2
         block = model.transformer.h[0]
-        assert isinstance(block.ln_1, FusedRMSNorm) and block.ln_1.out_dtype == torch.bfloat16
-        assert isinstance(block.mlp, FusedSwiGLU) and block.mlp.c_fc.out_dtype == torch.bfloat16
+        assert isinstance(block.ln_1, FusedRMSNorm) and block.ln_1.out_dtype == rows
+        assert isinstance(block.mlp, FusedSwiGLU) and block.mlp.c_fc.out_dtype == rows
         assert block.attn.c_attn.out_dtype == torch.float32  # q, k, v stay float32
-        assert block.attn.c_proj.out_dtype == torch.bfloat16  # the residual add promotes it
+        assert block.attn.c_proj.out_dtype == rows  # the residual add promotes it
         after = model(idx)
     assert after.dtype == torch.float32
-    # the same bfloat16 rows reach every product: the norm is PyTorch's to the bit, and silu's
-    # exp differs from PyTorch's by an ulp at most, below a bfloat16 rounding but at a tie
+    # the same rows reach every product: the norm is PyTorch's to the bit, and silu's exp
+    # differs from PyTorch's by an ulp at most (below a bfloat16 rounding but at a tie)
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
