@@ -114,4 +114,3 @@ def paged_decode_op() -> Any | None:
     """The compiled `paged_decode`, or None (`native_ops`)."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode
-
