@@ -79,11 +79,13 @@ at::Tensor silu_mul(const at::Tensor& h, at::ScalarType out_dtype) {
       scalar_t* dst = y.data_ptr<scalar_t>();
       at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          const In* gate = src + r * stride;
-          const In* up = gate + width;
+          // restrict: the rows do not overlap, which lets the compiler vectorize the loop
+          const In* __restrict__ gate = src + r * stride;
+          const In* __restrict__ up = gate + width;
+          scalar_t* __restrict__ out = dst + r * width;
           for (int64_t i = 0; i < width; ++i) {
             const float g = static_cast<float>(gate[i]);
-            dst[r * width + i] = static_cast<scalar_t>(g / (1.f + fast_exp(-g)) * static_cast<float>(up[i]));
+            out[i] = static_cast<scalar_t>(g / (1.f + fast_exp(-g)) * static_cast<float>(up[i]));
           }
         }
       });
