@@ -20,7 +20,9 @@
    dequantized product it switches to from `MANY_ROWS` rows on; and whole decode steps of the
    Engine with 1 and 32 sequences in the three formats. The last column is the bandwidth the
    "after" side reads the weights at.
-5. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
+5. `--parts int4`: SmolLM2-135M's int4 layer matrices (a GGUF file's Q4_1) by 1 to 512 rows,
+   PyTorch's int4 kernel against the compiled one (`model.int4_linear`).
+6. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
    7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
    the prefill, also the whole model step and the score product (MKL against oneDNN).
 
@@ -433,6 +435,49 @@ def step_rows() -> list[Row]:
     return rows
 
 
+def _apply_each(calls: list[tuple[nn.Module, torch.Tensor]]) -> None:
+    for module, x in calls:
+        module(x)
+
+
+# SmolLM2-135M's int4 matrices a layer (out, in): q/k/v joined, attention out, gate/up joined, down
+SMOLLM2_INT4_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+@torch.no_grad()
+def int4_rows() -> list[Row]:
+    """SmolLM2-135M's 120 int4 layer matrices (30 distinct layers, 66 MB: none stays in cache)
+    by 1, 4, 16, 64 and 512 rows: PyTorch's int4 kernel (bfloat16 rows) against the compiled one
+    (float32 rows), as `model.int4_linear.Int4Linear` holds each."""
+    import numpy as np
+
+    from kernels.cpu.native import native_ops
+    from model.gguf_blocks import Int4Groups
+    from model.int4_linear import Int4Linear
+
+    if native_ops() is None:
+        print("int4: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
+        return []
+    rng = np.random.default_rng(0)
+    pairs = []
+    for _ in range(30):
+        for out, width in SMOLLM2_INT4_SHAPES:
+            scales = rng.uniform(0.001, 0.02, (out, width // 32)).astype(np.float16)
+            groups = Int4Groups(rng.integers(0, 16, (out, width), dtype=np.uint8),
+                                scales.astype(np.float32), np.zeros_like(scales, np.float32))  # fmt: skip
+            pairs.append((Int4Linear(groups, compiled=False), Int4Linear(groups, compiled=True)))
+    size = sum(b.numel() * b.element_size() for _, m in pairs for b in m.buffers())
+    rows = []
+    for n in (1, 4, 16, 64, 512):
+        xs = {w: torch.randn(n, w) for w in (576, 1536)}
+        sides = [[(pair[i], xs[pair[i].in_features]) for pair in pairs] for i in (0, 1)]
+        before, after = (partial(_apply_each, side) for side in sides)
+        timed = alternate(before, after, rounds=7 if n < 512 else 3)
+        rows.append((f"SmolLM2's 120 int4 matrices, {n} row(s)", "PyTorch's int4 kernel",
+                     *timed, size))  # fmt: skip
+    return rows
+
+
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
@@ -441,6 +486,7 @@ PARTS = {
     "allocator": lambda: [allocator_row()],
     "precision": lambda: precision_rows() + read_rows(),
     "steps": step_rows,
+    "int4": int4_rows,
 }
 
 

@@ -32,9 +32,9 @@ namespace {
 constexpr int64_t kTile = 32;      // output columns a tile holds
 constexpr int64_t kGroup = 32;     // codes that share a scale and a zero point
 constexpr int64_t kRowChunk = 64;  // rows a thread keeps in cache while its tiles pass over them
-// codes asked for this many groups (4 KiB a tile) before they are read: one row's product waits
+// codes asked for this many groups (8 KiB a tile) before they are read: one row's product waits
 // on memory, and the hardware's prefetch does not run ahead of a tile's start
-constexpr int64_t kPrefetchGroups = 8;
+constexpr int64_t kPrefetchGroups = 16;
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
