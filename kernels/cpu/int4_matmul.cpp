@@ -59,7 +59,7 @@ inline Vec load_table(const c10::Half* p) {
 inline Vec load_table(const float* p) { return _mm512_loadu_ps(p); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
-constexpr int kRows = 1;  // 16 registers
+constexpr int kRows = 2;  // of 16 registers, some spill: still half the decoding a row
 constexpr int kTilesPerRow = 1;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
