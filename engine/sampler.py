@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kernels.cpu.native import logit_stats_op
+
 MAX_LOGPROBS = 20
 
 
@@ -258,11 +260,7 @@ def sample(
     if allowed is not None:
         logits = logits.float().masked_fill(~allowed.to(device, non_blocking=True), float("-inf"))
     logits = apply_penalties(logits.float(), rows)  # a copy only if a row changes it
-    # log_softmax, though only a few of its values are read: on a CPU it is faster than
-    # logsumexp (32 rows of GPT-2's vocabulary: 0.36 against 0.71 ms, and 3.3 ms for logsumexp
-    # when masked rows hold -inf, whose exp takes a slow path)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (B, V)
-    tokens = logits.argmax(dim=-1)  # greedy choice; replaced below for sampled rows
+    tokens, lse = _argmax_and_logsumexp(logits)  # (B,) each; greedy choices, replaced below
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         idx = torch.tensor(sampled, device=device)
@@ -278,17 +276,37 @@ def sample(
             draw = torch.empty(probs.shape[1]).uniform_(generator=rows[sampled[j]].generator)
             noise[j] = draw.to(device, non_blocking=True)
         tokens[idx] = (probs / noise.log_().neg_()).argmax(dim=-1)
-    chosen = log_probs.gather(1, tokens[:, None])[:, 0]  # (B,)
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - lse  # (B,) log-probabilities
     n_top = max((r.params.logprobs or 0) for r in rows)
     if n_top:
-        values, ids = log_probs.topk(n_top, dim=-1)  # (B, n_top)
+        values, ids = logits.topk(n_top, dim=-1)  # (B, n_top)
+        values = values - lse[:, None]
     else:  # no row asked for alternatives: a topk of 0 still reads every row (0.15 ms)
-        values = ids = log_probs.new_empty(len(rows), 0)
+        values = ids = logits.new_empty(len(rows), 0)
     tokens, chosen, ids, values = _to_host(tokens, chosen, ids, values)
     wanted = [r.params.logprobs or 0 for r in rows]
     top_ids = [row[:n] for row, n in zip(ids, wanted)]
     top_lp = [row[:n] for row, n in zip(values, wanted)]
     return SampleOutput(tokens, chosen, top_ids, top_lp)
+
+
+def _argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) float logits -> each row's first largest index (B,) and log-sum-exp (B,).
+
+    On a CPU one compiled pass a row where the kernels build (kernels/cpu/logit_stats.cpp);
+    elsewhere a log_softmax, which on a CPU is faster than logsumexp (32 rows of GPT-2's
+    vocabulary: 0.36 against 0.71 ms, and 3.3 ms for logsumexp when masked rows hold -inf,
+    whose exp takes a slow path)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        stats = logit_stats_op()
+        if stats is not None:
+            return stats(logits if logits.stride(-1) == 1 else logits.contiguous())
+    top = logits.argmax(dim=-1)  # (B,)
+    lse = (
+        logits.gather(1, top[:, None])[:, 0]
+        - torch.log_softmax(logits, dim=-1).gather(1, top[:, None])[:, 0]
+    )  # the largest logit minus its log-probability
+    return top, lse
 
 
 def _to_host(*tensors: torch.Tensor) -> list[list]:

@@ -10,7 +10,9 @@ These take one call each:
 - `rms_norm` and `silu_mul` (row_ops.cpp): RMSNorm and SwiGLU's silu(gate) * up in float32,
   written in the dtype of the product that follows (`model.cpu.optimize`);
 - `int4_matmul` (int4_matmul.cpp): products with int4 weights in groups of 32, a GGUF file's
-  Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`).
+  Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`);
+- `logit_stats` (logit_stats.cpp): each row of logits' argmax and log-sum-exp, what the sampler
+  reads of them (`engine.sampler`).
 
 They are compiled with PyTorch's extension builder (a C++ compiler and ninja, found on most
 Linux hosts; `pip install ninja` for the latter) for the host's own instruction set, the first
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_decode.cpp", "row_ops.cpp", "int4_matmul.cpp")
+    for name in ("paged_decode.cpp", "row_ops.cpp", "int4_matmul.cpp", "logit_stats.cpp")
 ]
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
@@ -114,3 +116,9 @@ def paged_decode_op() -> Any | None:
     """The compiled `paged_decode`, or None (`native_ops`)."""
     ops = native_ops()
     return None if ops is None else ops.paged_decode
+
+
+def logit_stats_op() -> Any | None:
+    """The compiled `logit_stats`, or None (`native_ops`)."""
+    ops = native_ops()
+    return None if ops is None else ops.logit_stats

@@ -6,10 +6,10 @@ a weight reordered once, ahead of time, into oneDNN's blocked layout. For one ro
 reading the weights, oneDNN and the per-thread slabs of `PackedLinear` come out about even for a
 layer's matrices. `python bench/cpu_parts.py` measures each against the other.
 
-In float32 a row's result does not depend on how many rows are multiplied with it: where oneDNN
-multiplies few rows with another kernel than many (one row of a wide input), such inputs are
-padded with copies of their first row up to the fewest rows that compute as many do (`min_rows`,
-measured per layer when it is built), so a sequence gets the same logits alone and in a batch.
+A row's result does not depend on how many rows are multiplied with it: where oneDNN multiplies
+few rows with another kernel than many (one row of a wide input), such inputs are padded with
+copies of their first row up to the fewest rows that compute as many do (`min_rows`, measured per
+layer when it is built), so a sequence gets the same logits alone and in a batch.
 
 The reordered weight is an opaque oneDNN tensor: it cannot be sliced, saved or trained. It exists
 for fp32 and bf16 (fp16 needs CPU features the development box lacks); `OneDnnLinear.supports`
@@ -35,8 +35,7 @@ class OneDnnLinear(nn.Module):
     """The `nn.Linear` it is built from, then `activation`; the weight in oneDNN's layout.
 
     The activation runs inside oneDNN's kernel, on the output while it is still in cache.
-    `min_rows`: inputs of fewer rows are padded to it, so each row comes out as among many rows
-    (in float32; 1 in bfloat16).
+    `min_rows`: inputs of fewer rows are padded to it, so each row comes out as among many rows.
     """
 
     def __init__(
@@ -49,14 +48,10 @@ class OneDnnLinear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)  # opaque (out, in)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # in bfloat16 a sequence's logits agree alone and in a batch only to rounding whatever
-        # its products do (the decode attention, docs/RELIABILITY.md): padding would cost a
-        # single stream 3% there for nothing
-        dtype = linear.weight.dtype
-        self.min_rows = _fewest_rows_computed_as_many(self, dtype) if dtype == torch.float32 else 1
+        self.min_rows = _fewest_rows_computed_as_many(self, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out); in float32 a row's result does not depend on the row count."""
+        """(..., in) -> (..., out); a row's result does not depend on the row count."""
         if x.numel() < self.min_rows * x.shape[-1] and x.numel():
             rows = x.reshape(-1, self.in_features)  # (M, in), 0 < M < min_rows
             m = rows.shape[0]
@@ -96,13 +91,17 @@ def _fewest_rows_computed_as_many(layer: OneDnnLinear, dtype: torch.dtype) -> in
     help then).
 
     For few rows of a wide input oneDNN takes other kernels, which sum in another order (here: one
-    row of 1536 input channels and more in float32); which shapes, row counts and thread counts do
-    so is oneDNN's choice, so it is measured once per layer: PROBE_ROWS random rows multiplied in
-    groups of each size against all of them at once (another order of float32 sums shows in
-    nearly every output).
+    row of 1536 input channels and more, in float32 and in bfloat16); which shapes, row counts and
+    thread counts do so is oneDNN's choice, so it is measured once per layer: PROBE_ROWS random
+    rows multiplied in groups of each size against all of them at once. The rows' values spread
+    over 16 binades, so that another order of float32 sums moves the outputs by far more than a
+    bfloat16 output's rounding hides (with plain normal rows a bfloat16 layer that switches
+    kernels showed no difference in 16 rows of 512 outputs; with these, many).
     """
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(PROBE_ROWS, layer.in_features, generator=gen).to(dtype)  # (R, in)
+    normal = torch.randn(PROBE_ROWS, layer.in_features, generator=gen)  # (R, in)
+    scale = 2.0 ** torch.randint(0, 16, normal.shape, generator=gen)
+    x = (normal * scale).to(dtype)  # (R, in)
     many = layer._product(x)  # (R, out)
     for rows in ROW_COUNTS:
         if all(

@@ -58,11 +58,15 @@ def test_onednn_linear_in_bfloat16():
 
 
 @needs_onednn
-def test_a_float32_row_comes_out_the_same_whatever_the_number_of_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_row_comes_out_the_same_whatever_the_number_of_rows(dtype):
+    if not OneDnnLinear.supports(dtype):
+        pytest.skip(f"oneDNN has no {dtype} product here")
     torch.manual_seed(0)
-    # a wide input, where oneDNN's kernel for one row sums in another order than for several
-    layer = OneDnnLinear(nn.Linear(3072, 512))
-    x = torch.randn(48, 3072)
+    # a wide input, where oneDNN's kernel for one row sums in another order than for several;
+    # rows spread over binades, where that order shows through bfloat16's rounding
+    layer = OneDnnLinear(nn.Linear(3072, 512).to(dtype))
+    x = (torch.randn(48, 3072) * 2.0 ** torch.randint(0, 12, (48, 3072))).to(dtype)
     with torch.no_grad():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(48)])  # (48, 512), a row at a time
         for rows in (2, 3, 7, 16, 33, 48):
