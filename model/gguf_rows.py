@@ -55,10 +55,10 @@ def _q8_0_rows(data: np.ndarray) -> np.ndarray:
     """(n, bytes per row) Q8_0 rows -> (n, cols) float32, each weight its block's float16 scale
     times its int8 (what gguf's dequantize computes, without its per-call overhead: a GGUF head
     refines 16 rows a sequence every step)."""
-    blocks = data.reshape(data.shape[0], -1, 34)  # (n, blocks, 2 + 32): scale, then weights
+    blocks = data.reshape(data.shape[0], data.shape[1] // 34, 34)  # (n, blocks, 2 + 32)
     scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (n, blocks, 1)
     weights = blocks[..., 2:].view(np.int8).astype(np.float32)  # (n, blocks, 32)
-    return (weights * scales).reshape(data.shape[0], -1)
+    return (weights * scales).reshape(data.shape[0], blocks.shape[1] * 32)
 
 
 class RowsEmbedding(nn.Module):

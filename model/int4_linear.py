@@ -78,6 +78,8 @@ class Int4Linear(nn.Module):
         self.compiled = _compiled_matmul() is not None if compiled is None else compiled
         self.dtype = dtype
         self.op_dtype = op_dtype or (torch.float32 if self.compiled else torch.bfloat16)
+        if self.compiled and self.op_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the compiled int4 kernel takes float32 or bfloat16, not {op_dtype}")
         self.out_dtype: torch.dtype | None = None  # None: `dtype`
         if self.compiled:
             self.pad = 0
@@ -158,9 +160,12 @@ def _pack(codes: np.ndarray, pad: int) -> torch.Tensor:
 
 @functools.cache
 def _compiled_matmul() -> Any | None:
-    """The compiled `int4_matmul`, or None where the CPU kernels do not build."""
+    """The compiled `int4_matmul`, or None where the CPU kernels do not build or were built
+    without vector instructions (not x86 with AVX2: PyTorch's kernel is faster there)."""
     ops = native_ops()
-    return None if ops is None else ops.int4_matmul
+    if ops is None or ops.int4_lanes() < 2:
+        return None
+    return ops.int4_matmul
 
 
 def pack_tiles(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:

@@ -255,9 +255,14 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   return out;
 }
 
+// the float32 lanes this build multiplies at once: 1 where it has no vector path (the loader
+// keeps PyTorch's vectorized int4 kernel there)
+int64_t int4_lanes() { return kLanes; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
+  m.def("int4_lanes() -> int", &int4_lanes);
   m.def(
       "int4_matmul(Tensor x, Tensor codes, Tensor table, int n, int copies, ScalarType out_dtype)"
       " -> Tensor");

@@ -36,16 +36,34 @@ std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits) {
     for (int64_t r = begin; r < end; ++r) {
       const float* __restrict__ x = src + r * stride;
       float lanes[kLanes];
+      int32_t nans[kLanes] = {0};
       for (int64_t l = 0; l < kLanes; ++l) lanes[l] = kNegInf;
       int64_t i = 0;
       for (; i + kLanes <= width; i += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
+        for (int64_t l = 0; l < kLanes; ++l) {
+          lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
+          nans[l] |= x[i + l] != x[i + l];
+        }
       float top = kNegInf;
-      for (int64_t l = 0; l < kLanes; ++l) top = lanes[l] > top ? lanes[l] : top;
-      for (; i < width; ++i) top = x[i] > top ? x[i] : top;
+      bool nan = false;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        top = lanes[l] > top ? lanes[l] : top;
+        nan = nan || nans[l];
+      }
+      for (; i < width; ++i) {
+        top = x[i] > top ? x[i] : top;
+        nan = nan || x[i] != x[i];
+      }
+      if (nan) {  // as torch.argmax and log_softmax: the first NaN wins, and nothing is a number
+        int64_t arg = 0;
+        while (!(x[arg] != x[arg])) ++arg;
+        best_out[r] = arg;
+        lse_out[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       int64_t arg = 0;
       while (arg < width && !(x[arg] == top)) ++arg;  // the first largest, as torch.argmax
-      if (arg == width) arg = 0;  // a row of NaN
+      if (arg == width) arg = 0;  // every logit -inf
       float sums[kLanes] = {0.f};
       for (i = 0; i + kLanes <= width; i += kLanes)
         for (int64_t l = 0; l < kLanes; ++l) {

@@ -43,6 +43,15 @@ def test_the_sampler_reports_log_softmax_values():
         assert out.top_logprobs[i] == pytest.approx(values.tolist(), abs=1e-5)
 
 
+def test_a_nan_wins_as_in_torch_argmax():
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(2))
+    logits[0, 123] = float("nan")
+    logits[0, 200] = float("nan")
+    best, lse = native.logit_stats_op()(logits)
+    assert torch.equal(best, logits.argmax(-1))  # 123 for the first row
+    assert lse[0].isnan() and not lse[1].isnan()
+
+
 def test_a_wholly_masked_row_gives_no_number():
     logits = torch.full((1, 8), float("-inf"))
     best, lse = native.logit_stats_op()(logits)

@@ -133,6 +133,7 @@ def test_the_refined_head_gets_the_top_logits_exactly() -> None:
     assert (logits - ref)[others].abs().max() <= 2e-2 * ref.abs().max()  # the fast product's
     embedded = RowsEmbedding(table, torch.float32)(torch.tensor([[3, 7], [511, 0]]))
     assert torch.equal(embedded, weight[torch.tensor([[3, 7], [511, 0]])])
+    assert table(torch.tensor([], dtype=torch.long)).shape == (0, cols)  # no rows asked
 
 
 def module_kinds(model: nn.Module) -> set[type]:
