@@ -6,9 +6,9 @@ Two kernels multiply it, chosen once when the layer is built:
 
 - the compiled `int4_matmul` (kernels/cpu/int4_matmul.cpp, where `kernels.cpu.native` builds):
   float32 inputs and sums, the matrix in tiles of 32 output columns (`pack_tiles`), a row's
-  result the same whatever the batch. It reads the matrix at memory speed for one row (PyTorch's
-  kernel decodes it at about a third of that) and beats PyTorch's at every row count measured
-  (1 to 512; `python bench/cpu_parts.py --parts int4`);
+  result the same whatever the batch. For one row both kernels wait on memory and come out about
+  even; from 4 rows to 512 it is 1.33-1.43x PyTorch's (`python bench/cpu_parts.py --parts
+  int4`), and its float32 inputs and exact scales keep the file's model closer to its float one;
 - PyTorch's `aten._weight_int4pack_mm_for_cpu` elsewhere, on the layout
   `aten._convert_weight_to_int4pack_for_cpu` makes (it depends on the CPU's instruction set, so
   it is opaque here). It needs codes as an (out, in) int32 matrix, out a multiple of 16 (zero rows
@@ -20,7 +20,8 @@ Two kernels multiply it, chosen once when the layer is built:
 
 Either way the matrix takes its 4 bits a weight and a sixth more (a scale and a zero point a group
 in 16 bits each: float16 for the compiled kernel where that is exact, as for GGUF's Q4_0, Q4_1
-and Q8_0, float32 where not, as for Q4_K; bfloat16 for PyTorch's). Inference only: the buffers are not trainable.
+and Q8_0, float32 where not, as for Q4_K; bfloat16 for PyTorch's). Inference only: the buffers
+are not trainable.
 """
 
 from __future__ import annotations

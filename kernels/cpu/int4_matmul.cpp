@@ -178,13 +178,12 @@ void run_tiles(const float* xp, int64_t rows, int64_t width, const float* sums,
                int64_t n, at::Tensor& out) {
   const int64_t ldsum = width / kGroup;
   const int64_t tile_bytes = groups * (kGroup / 2) * kTile, tile_entries = groups * kTile * 2;
-  const at::ScalarType out_dtype = out.scalar_type();
+  // read once: data_ptr checks the dtype at every call, and a row stores every tile
+  float* out_f = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* out_b = out_f ? nullptr : out.data_ptr<at::BFloat16>();
   auto store = [&](const float* y, int64_t r, int64_t take, int64_t t) {
-    const int64_t cols = std::min(kTile, n - t * kTile);
-    if (out_dtype == at::kFloat)
-      store_tile(y, take, cols, out.data_ptr<float>() + r * n + t * kTile, n);
-    else
-      store_tile(y, take, cols, out.data_ptr<at::BFloat16>() + r * n + t * kTile, n);
+    const int64_t cols = std::min(kTile, n - t * kTile), at = r * n + t * kTile;
+    out_f ? store_tile(y, take, cols, out_f + at, n) : store_tile(y, take, cols, out_b + at, n);
   };
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     float y[kTilesPerRow * kRows * kTile];
@@ -207,13 +206,12 @@ void run_tiles(const float* xp, int64_t rows, int64_t width, const float* sums,
           if (span == kTilesPerRow)
             tile_rows<1, kTilesPerRow>(xr, width, sr, ldsum, cp + t * tile_bytes, tile_bytes,
                                        tp + t * tile_entries, tile_entries, groups, copies, y);
-          for (int64_t i = 0; i < span; ++i) {
-            if (span != kTilesPerRow)
+          else  // the thread's last few tiles, one at a time
+            for (int64_t i = 0; i < span; ++i)
               tile_rows<1, 1>(xr, width, sr, ldsum, cp + (t + i) * tile_bytes, tile_bytes,
                               tp + (t + i) * tile_entries, tile_entries, groups, copies,
                               y + i * kTile);
-            store(y + i * kTile, r, 1, t + i);
-          }
+          for (int64_t i = 0; i < span; ++i) store(y + i * kTile, r, 1, t + i);
           t += span;
         }
       }
@@ -249,9 +247,11 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::Tensor out = at::empty({rows, n}, x.options().dtype(out_dtype));
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   if (table.scalar_type() == at::kHalf)
-    run_tiles(xp, rows, width, sums.data(), cp, table.data_ptr<c10::Half>(), groups, copies, tiles, n, out);
+    run_tiles(xp, rows, width, sums.data(), cp, table.data_ptr<c10::Half>(), groups, copies,
+              tiles, n, out);
   else
-    run_tiles(xp, rows, width, sums.data(), cp, table.data_ptr<float>(), groups, copies, tiles, n, out);
+    run_tiles(xp, rows, width, sums.data(), cp, table.data_ptr<float>(), groups, copies, tiles,
+              n, out);
   return out;
 }
 

@@ -94,9 +94,10 @@ def _fewest_rows_computed_as_many(layer: OneDnnLinear, dtype: torch.dtype) -> in
     row of 1536 input channels and more, in float32 and in bfloat16); which shapes, row counts and
     thread counts do so is oneDNN's choice, so it is measured once per layer: PROBE_ROWS random
     rows multiplied in groups of each size against all of them at once. The rows' values spread
-    over 16 binades (8 in float16), so that another order of float32 sums moves the outputs by far more than a
-    bfloat16 output's rounding hides (with plain normal rows a bfloat16 layer that switches
-    kernels showed no difference in 16 rows of 512 outputs; with these, many).
+    over 16 binades (8 in float16, which overflows beyond), so that another order of float32
+    sums moves the outputs by far more than a bfloat16 output's rounding hides (with plain normal
+    rows a bfloat16 layer that switches kernels showed no difference in 16 rows of 512 outputs;
+    with these, many).
     """
     gen = torch.Generator().manual_seed(0)
     normal = torch.randn(PROBE_ROWS, layer.in_features, generator=gen)  # (R, in)
