@@ -145,7 +145,7 @@ def load_for_inference(
         if batch_invariant:
             keep_int8_kernel(model)
         size = weight_bytes(model)
-        model = optimize_for_cpu(model)
+        model = optimize_for_cpu(model, batch_invariant=batch_invariant)
         draft = None
         if draft_path is not None:
             draft = _load(Path(draft_path), resolved, torch_dtype, quantization)

@@ -11,6 +11,8 @@ These take one call each:
   written in the dtype of the product that follows (`model.cpu.optimize`);
 - `int4_matmul` (int4_matmul.cpp): products with int4 weights in groups of 32, a GGUF file's
   Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`);
+- `f32_matmul` (f32_matmul.cpp): float32 products of a few rows, the matrix read as tiles of 32
+  output columns (`model.cpu.few_rows_linear`);
 - `logit_stats` (logit_stats.cpp): each row of logits' argmax and log-sum-exp, what the sampler
   reads of them (`engine.sampler`).
 
@@ -42,7 +44,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_decode.cpp", "row_ops.cpp", "int4_matmul.cpp", "logit_stats.cpp")
+    for name in (
+        "paged_decode.cpp", "row_ops.cpp", "int4_matmul.cpp", "f32_matmul.cpp", "logit_stats.cpp"
+    )
 ]
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's

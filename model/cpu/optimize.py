@@ -4,9 +4,12 @@
 every `nn.Linear` of the layers gets oneDNN's weight layout where this CPU and build have it
 (per-thread slabs otherwise), each feed-forward block becomes a `FusedMLP` whose first product
 applies GELU/ReLU itself, and the output head gets oneDNN's layout too (slabs where oneDNN does
-not run: a tied embedding then reads its rows from them, so the table is stored once). In
-float32 oneDNN's products compute a row alike whatever the row count, so a sequence's logits do
-not depend on its batch (docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
+not run: a tied embedding then reads its rows from them, so the table is stored once). Where the
+compiled CPU kernels are built, float32 products of a few rows (a decode step of a few
+sequences) read a second copy of each matrix laid out in tiles instead (`model.cpu.few_rows_linear`),
+faster while the weights' reading bounds the product; a sequence's logits then agree alone and
+in a batch to rounding, and to the bit with `batch_invariant` (oneDNN's products alone compute a
+row alike whatever the row count: docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
 (`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
 only `nn.Linear` modules are swapped. A gated (SwiGLU) feed-forward block keeps its own forward,
 unless the compiled CPU kernels are built (`kernels.cpu.native`): then a float32 Llama-family
@@ -21,10 +24,13 @@ this module.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
 from kernels.cpu.native import native_ops
+from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear, compiled_tiles
 from model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
 from model.cpu.onednn_linear import OneDnnLinear
 from model.cpu.packed_linear import (
@@ -33,23 +39,26 @@ from model.cpu.packed_linear import (
     pack_head,
     pack_linear,
     pack_linears,
+    with_few_rows,
 )
 from model.gpt import GPT, MLP
 
-WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, FusedRMSNorm)
+WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, FusedRMSNorm, FewRowsLinear)
 
 
 class FusedMLP(nn.Module):
-    """`MLP` for CPU inference: c_fc's oneDNN product applies the activation (no dropout)."""
+    """`MLP` for CPU inference: c_fc's product applies the activation (no dropout)."""
 
-    def __init__(self, mlp: MLP, threads: int) -> None:
+    def __init__(self, mlp: MLP, threads: int, tiles_ops: Any | None = None) -> None:
         super().__init__()
         activation = "relu" if mlp.relu else "gelu_tanh"
-        self.c_fc = OneDnnLinear(mlp.c_fc, activation=activation)
-        self.c_proj = pack_linear(mlp.c_proj, threads)
+        many = OneDnnLinear(mlp.c_fc, activation=activation)
+        self.c_fc = with_few_rows(mlp.c_fc, many, tiles_ops, LAYER_FEW_ROWS, activation)
+        self.c_proj = pack_linear(mlp.c_proj, threads, tiles_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.c_fc(x))
+        modules = self._modules  # dict reads and `forward`: see model.gpt._submodules
+        return modules["c_proj"].forward(modules["c_fc"].forward(x))
 
 
 def is_optimized_for_cpu(model: nn.Module) -> bool:
@@ -58,28 +67,30 @@ def is_optimized_for_cpu(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def optimize_for_cpu(model: GPT, threads: int | None = None) -> GPT:
+def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bool = False) -> GPT:
     """Swap the model's linear layers for CPU inference layouts, in place; returns the model.
 
     A model on another device, or one already swapped, is returned unchanged. The model is put in
-    eval mode and can no longer be trained or saved.
+    eval mode and can no longer be trained or saved. `batch_invariant`: no layer computes a row
+    by another kernel for few rows than for many (no `FewRowsLinear`).
     """
     if next(model.parameters()).device.type != "cpu" or is_optimized_for_cpu(model):
         return model
     model.eval().requires_grad_(False)
     threads = threads or torch.get_num_threads()
+    ops = native_ops()
+    tiles_ops = ops if compiled_tiles(ops) and not batch_invariant else None
     if isinstance(model.lm_head, nn.Linear):  # not when quantized (model.quantize)
         tied = model.lm_head.weight is getattr(model.transformer.wte, "weight", None)
-        model.lm_head, slabs = pack_head(model.lm_head, threads)
+        model.lm_head, slabs = pack_head(model.lm_head, threads, tiles_ops)
         if tied and slabs is not None:  # else the embedding keeps its table
             model.transformer.wte = PackedEmbedding(slabs)
     for block in model.transformer.h:
         c_fc = block.mlp.c_fc
         gated = getattr(block.mlp, "gated", False)  # SwiGLU: no fused activation for it
         if isinstance(c_fc, nn.Linear) and not gated and OneDnnLinear.supports(c_fc.weight.dtype):
-            block.mlp = FusedMLP(block.mlp, threads)
-    pack_linears(model, threads)
-    ops = native_ops()
+            block.mlp = FusedMLP(block.mlp, threads, tiles_ops)
+    pack_linears(model, threads, tiles_ops)
     if ops is not None:
         install_fused_rows(model, ops)
     return model

@@ -18,10 +18,13 @@ in a batch agree only to rounding.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.cpu.few_rows_linear import HEAD_FEW_ROWS, LAYER_FEW_ROWS, FewRowsLinear
 from model.cpu.onednn_linear import OneDnnLinear
 
 
@@ -94,34 +97,51 @@ def slab_count(linear: nn.Linear, threads: int) -> int:
     return threads * max(1, -(-size // (threads * SLAB_BYTES)))
 
 
-def pack_linear(linear: nn.Linear, threads: int) -> nn.Module:
-    """A layer's matrix for CPU inference: oneDNN's layout where it runs here, else slabs."""
+def with_few_rows(
+    linear: nn.Linear, many: nn.Module, tiles_ops: Any | None, few_rows: int,
+    activation: str = "none",
+) -> nn.Module:  # fmt: skip
+    """`many` alone, or wrapped so that float32 products of up to `few_rows` rows take the
+    compiled tiles (`model.cpu.few_rows_linear`) when `tiles_ops` is given."""
+    if tiles_ops is None or linear.weight.dtype != torch.float32:
+        return many
+    return FewRowsLinear(linear, many, tiles_ops, few_rows, activation)
+
+
+def pack_linear(linear: nn.Linear, threads: int, tiles_ops: Any | None = None) -> nn.Module:
+    """A layer's matrix for CPU inference: oneDNN's layout where it runs here, else slabs;
+    with `tiles_ops`, a few float32 rows by the compiled tiles."""
     if OneDnnLinear.supports(linear.weight.dtype):
-        return OneDnnLinear(linear)
-    return PackedLinear(linear, slab_count(linear, threads))
+        many: nn.Module = OneDnnLinear(linear)
+    else:
+        many = PackedLinear(linear, slab_count(linear, threads))
+    return with_few_rows(linear, many, tiles_ops, LAYER_FEW_ROWS)
 
 
-def pack_head(linear: nn.Linear, threads: int) -> tuple[nn.Module, PackedLinear | None]:
+def pack_head(
+    linear: nn.Linear, threads: int, tiles_ops: Any | None = None
+) -> tuple[nn.Module, PackedLinear | None]:
     """The output head for CPU inference, and the slabs a tied embedding reads its rows from.
 
     Where oneDNN runs, the head is oneDNN's alone, in float32 as in bfloat16, and there are no
     slabs (None): a tied embedding keeps its own table. A head that switched to the slabs for
     one row would give a sequence other logits alone than in a batch, and oneDNN streams one row
     as fast here (GPT-2's float32 head: 2.0-2.3 against 2.9-3.1 ms of CPU time a thread, and a
-    decode step no slower). Elsewhere the head is slabs.
+    decode step no slower). Elsewhere the head is slabs. With `tiles_ops`, one or two float32
+    rows take the compiled tiles instead (`HEAD_FEW_ROWS`).
     """
     dtype = linear.weight.dtype
     if OneDnnLinear.supports(dtype):
-        return OneDnnLinear(linear), None
+        return with_few_rows(linear, OneDnnLinear(linear), tiles_ops, HEAD_FEW_ROWS), None
     parts = slab_count(linear, threads)
     slabs = PackedLinear(linear, parts, column_major=parts > threads)
-    return slabs, slabs
+    return with_few_rows(linear, slabs, tiles_ops, HEAD_FEW_ROWS), slabs
 
 
-def pack_linears(model: nn.Module, threads: int) -> None:
+def pack_linears(model: nn.Module, threads: int, tiles_ops: Any | None = None) -> None:
     """Replace every `nn.Linear` in `model` by its `pack_linear` form, in place."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, pack_linear(module, threads))
+            setattr(parent, child, pack_linear(module, threads, tiles_ops))
