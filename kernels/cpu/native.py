@@ -45,7 +45,11 @@ log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
-        "paged_decode.cpp", "row_ops.cpp", "int4_matmul.cpp", "f32_matmul.cpp", "logit_stats.cpp"
+        "paged_decode.cpp",
+        "row_ops.cpp",
+        "int4_matmul.cpp",
+        "f32_matmul.cpp",
+        "logit_stats.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name("vec_math.h")]
