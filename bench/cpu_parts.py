@@ -22,7 +22,9 @@
    "after" side reads the weights at.
 5. `--parts int4`: SmolLM2-135M's int4 layer matrices (a GGUF file's Q4_1) by 1 to 512 rows,
    PyTorch's int4 kernel against the compiled one (`model.int4_linear`).
-6. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
+6. `--parts f32`: GPT-2's layer matrices and head by 1 to 16 float32 rows, oneDNN's layout
+   against the tiles that the engine reads for a few rows (`model.cpu.few_rows_linear`).
+7. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
    7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
    the prefill, also the whole model step and the score product (MKL against oneDNN).
 
@@ -478,6 +480,31 @@ def int4_rows() -> list[Row]:
     return rows
 
 
+@torch.no_grad()
+def f32_rows() -> list[Row]:
+    """GPT-2's 48 layer matrices and its head by 1 to 16 float32 rows: oneDNN's layout against
+    the compiled tiles (`model.cpu.few_rows_linear`, which the engine takes for up to
+    LAYER_FEW_ROWS and HEAD_FEW_ROWS rows)."""
+    from kernels.cpu.native import native_ops
+    from model.cpu.few_rows_linear import FewRowsLinear, compiled_tiles
+
+    ops = native_ops()
+    if not compiled_tiles(ops):
+        print("f32: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
+        return []
+    layers, head = gpt2_matrices()
+    rows = []
+    for name, plain in (("48 layer matrices", layers), ("vocabulary head", [head])):
+        onednn = [OneDnnLinear(m) for m in plain]
+        tiles = [FewRowsLinear(m, o, ops, few_rows=1 << 30) for m, o in zip(plain, onednn)]
+        size = sum(m.weight.numel() * 4 for m in plain)
+        for n in (1, 2, 4, 8, 16):
+            xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
+            timed = alternate(apply_all(onednn, plain, xs), apply_all(tiles, plain, xs))
+            rows.append((f"{name}, {n} float32 row(s)", "oneDNN -> tiles", *timed, size))
+    return rows
+
+
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
@@ -487,6 +514,7 @@ PARTS = {
     "precision": lambda: precision_rows() + read_rows(),
     "steps": step_rows,
     "int4": int4_rows,
+    "f32": f32_rows,
 }
 
 
