@@ -3,17 +3,18 @@
 A single-stream decode step multiplies one row by every matrix, which is bound by reading the
 weights. oneDNN's kernels read GPT-2's layer matrices at 29-42 GB/s for one row on the 2-core
 development box, where `kernels/cpu/f32_matmul.cpp`, reading each matrix as tiles of 32 output
-columns stored one after another, reaches 42-56 GB/s: a layer's four products 1.2-1.4x faster for
-1 to 8 rows, with AVX-512 and with AVX2 alike. From 16 rows on the products are bound by
-arithmetic, where oneDNN's kernels are ahead. So the tiles serve up to `LAYER_FEW_ROWS` rows and
-the wrapped layer (oneDNN's, `model.cpu.onednn_linear`) serves more; the vocabulary head, whose
-one-row product oneDNN already streams nearly as fast with AVX-512 (1.0-1.1x; 1.4x with AVX2),
-takes the tiles up to `HEAD_FEW_ROWS` rows (`python bench/cpu_parts.py --parts f32` measures
-each).
+columns stored one after another, reaches 42-56 GB/s: GPT-2's layer matrices 1.28-1.39x faster
+for 1-2 rows and 1.07-1.09x for 4-8, with AVX-512 and with AVX2 alike. From 16 rows on the
+products are bound by arithmetic, where oneDNN's kernels are ahead with AVX-512 (0.91x) and about
+even with AVX2 (1.05x). So the tiles serve up to `LAYER_FEW_ROWS` rows and the wrapped layer
+(oneDNN's, `model.cpu.onednn_linear`) serves more; the vocabulary head, whose product oneDNN
+streams nearly as fast (1.05-1.22x for 1-2 rows, 0.85-1.02x from 4), takes the tiles up to
+`HEAD_FEW_ROWS` rows (`python bench/cpu_parts.py --parts f32` measures each).
 
 The cost is a second copy of the matrices (the tiles beside oneDNN's layout) and bitwise batch
 invariance: a row is computed by another kernel alone than among many, so a sequence's logits
-agree with its logits in a batch to rounding. `optimize_for_cpu(model, batch_invariant=True)`
+agree with its logits in a batch to rounding, and a speculative step's verified rows with plain
+decoding's too (a near-tie can flip a greedy token). `optimize_for_cpu(model, batch_invariant=True)`
 (the server's `--batch-invariant`) does not install these layers.
 """
 
