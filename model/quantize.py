@@ -32,10 +32,13 @@ model's dtype (for other checkpoints it is "none").
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.cpu.native import native_ops
 from model.cpu.isa import fast_bfloat16_products
 from model.gpt import GPT
 from model.int4_linear import Int4Linear
@@ -47,6 +50,30 @@ ALIGN_BYTES = 64  # the CPU kernel's aligned loads need 32; PyTorch's allocator 
 # bfloat16 (docs/BENCHMARKS.md, "AVX2 hosts"), the int8 kernel wins at 16 rows for every matrix
 # (SmolLM2's head 3.6 against 5.4 ms) and ties or loses at 32 (the head 7.1 against 6.6 ms)
 MANY_ROWS = 32
+# the compiled 8-bit product (kernels/cpu/q8_matmul.cpp) against the dequantized bfloat16 product,
+# GPT-2's 49 matrices: 2.5x at 32 rows, 1.5x at 64, 1.1x at 128, 0.73x at 512
+TILED_MANY_ROWS = 256
+TILE = 32  # output columns a tile of the compiled product holds
+QUAD = 4  # inputs a column's consecutive bytes hold there
+
+
+def q8_ops(in_features: int, device: torch.device) -> Any | None:
+    """The compiled CPU kernels if they can multiply an int8 matrix of `in_features` inputs on
+    `device` (vector instructions, whole blocks of 32 inputs), else None."""
+    if device.type != "cpu" or in_features % 32:
+        return None
+    ops = native_ops()
+    return ops if ops is not None and ops.q8_lanes() > 1 else None
+
+
+def pack_q8_tiles(q: torch.Tensor) -> torch.Tensor:
+    """(out, in) int8 -> (tiles, in / 4, 32, 4): each tile's columns 4 inputs at a time, a
+    column's 4 bytes side by side; the last tile padded with zero columns."""
+    out_features, in_features = q.shape
+    tiles = -(-out_features // TILE)
+    padded = F.pad(q, (0, 0, 0, tiles * TILE - out_features))  # (tiles * 32, in)
+    view = padded.view(tiles, TILE, in_features // QUAD, QUAD)
+    return view.permute(0, 2, 1, 3).contiguous()
 
 
 def dequantize_from_rows(device: torch.device) -> int | None:
@@ -108,15 +135,21 @@ def int8_matmul(
 class Int8Linear(nn.Module):
     """The `nn.Linear` it is built from, with int8 weights and a scale per output channel.
 
-    `weight` is (out, in padded to K_MULTIPLE) int8 and `scales` (out,) in `op_dtype`, the dtype
-    the products run in (bfloat16 on a CPU, the model's dtype elsewhere); both are buffers.
+    Where the compiled CPU kernels run (`q8_ops`: a CPU, whole blocks of 32 inputs) the matrix is
+    held as `codes`, tiles for `kernels/cpu/q8_matmul.cpp` (`pack_q8_tiles`), with float32
+    `scales`: rows in float32, quantized to 8 bits per block of 32 by the kernel, bytes times
+    bytes (GPT-2's 49 matrices 1.4-2.4x faster than PyTorch's int8 kernel for 1-128 rows,
+    AVX-512 and AVX2 alike); `TILED_MANY_ROWS` rows and more dequantize them where bfloat16
+    products are native. Elsewhere `weight` is (out, in padded to K_MULTIPLE) int8 and `scales`
+    (out,) in `op_dtype`, the dtype PyTorch's product runs in (bfloat16 on a CPU, the model's
+    dtype elsewhere). `tiled` False keeps the latter everywhere (benchmarks compare the two).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, tiled: bool | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach()  # (out, in)
         q, scales = quantize_rows(weight)
-        self._hold(q, scales, linear.bias, weight.dtype)
+        self._hold(q, scales, linear.bias, weight.dtype, tiled)
 
     @classmethod
     def from_rows(
@@ -125,33 +158,59 @@ class Int8Linear(nn.Module):
         scales: torch.Tensor,
         bias: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
+        tiled: bool | None = None,
     ) -> Int8Linear:
         """From rows quantized already ((out, in) int8, (out,) scales as `quantize_rows` makes
         them), for matrices never held in float at once (a GGUF file's: model.gguf_quantized)."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
-        module._hold(q, scales, bias, dtype)
+        module._hold(q, scales, bias, dtype, tiled)
         return module
 
     def _hold(
-        self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-    ) -> None:
+        self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+        dtype: torch.dtype, tiled: bool | None,
+    ) -> None:  # fmt: skip
         self.out_features, self.in_features = q.shape
         self.dtype = dtype  # of inputs, outputs and bias
-        self.op_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
         self.out_dtype: torch.dtype | None = None  # None: `dtype`
-        self.pad = -self.in_features % K_MULTIPLE
-        self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
-        self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
+        ops = None if tiled is False else q8_ops(self.in_features, q.device)
+        if tiled and ops is None:
+            raise ValueError("the compiled 8-bit product does not run here")
+        self.q8 = None if ops is None else ops.q8_matmul
+        self.q8_dense = None if ops is None else ops.q8_dense
         # None: the int8 kernel at every row count
         self.many_rows: int | None = dequantize_from_rows(q.device)
         self.bias = None
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
+        if self.q8 is not None:
+            self.op_dtype, self.pad = torch.float32, 0
+            self.register_buffer("codes", pack_q8_tiles(q))  # (tiles, in / 4, 32, 4)
+            self.register_buffer("scales", scales.float())  # (out,)
+            self.many_rows = self.many_rows and TILED_MANY_ROWS
+            return
+        self.op_dtype = torch.bfloat16 if q.device.type == "cpu" else dtype
+        self.pad = -self.in_features % K_MULTIPLE
+        self.register_buffer("weight", F.pad(q, (0, self.pad)).contiguous())  # (out, in + pad)
+        self.register_buffer("scales", scales.to(self.op_dtype))  # (out,)
+
+    def dense(self, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+        """(out, in + pad) in `dtype` (the int8 values): the matrix in rows, whichever way it is
+        held (from tiles a copy)."""
+        if self.q8 is None:
+            return self.weight.to(dtype)
+        codes = self._buffers["codes"]  # (tiles, in / 4, 32, 4)
+        if dtype == torch.bfloat16:  # the many-rows product's: compiled
+            return self.q8_dense(codes, self.out_features)  # (out, in)
+        rows = codes.permute(0, 2, 1, 3).reshape(-1, self.in_features)  # (tiles * 32, in)
+        return rows[: self.out_features].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out). Called 49 times a decode step: few Python steps on purpose."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (M, in)
+        if self.q8 is not None:
+            return self._tiled(x, rows)
         rows = rows.to(self.op_dtype).contiguous()
         if self.pad:
             rows = F.pad(rows, (0, self.pad))  # (M, in + pad)
@@ -164,9 +223,33 @@ class Int8Linear(nn.Module):
             y = y.to(want)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def _tiled(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`forward` where the matrix is held in tiles: the compiled product, or for
+        `many_rows` rows and more the dequantized bfloat16 product."""
+        buffers, bias = self._buffers, self.bias
+        if self.many_rows is not None and rows.shape[0] >= self.many_rows:
+            y = F.linear(rows.to(torch.bfloat16), self.dense(torch.bfloat16))  # (M, out)
+            y = y * buffers["scales"].to(torch.bfloat16)
+            if bias is not None:
+                y = torch.add(bias, y)
+        else:
+            fused = bias is not None and bias.dtype == torch.float32
+            y = self.q8(rows.float(), buffers["codes"], buffers["scales"],
+                        bias if fused else None, self.out_features)  # fmt: skip
+            if bias is not None and not fused:
+                y = torch.add(bias, y)
+        want = self.out_dtype or self.dtype
+        if y.dtype != want:
+            y = y.to(want)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (...) of the dequantized (out, in) weight, as (..., in) in `dtype`."""
-        q = self.weight[index, : self.in_features].float()  # (..., in)
+        if self.q8 is None:
+            q = self.weight[index, : self.in_features].float()  # (..., in)
+        else:  # each row's bytes from its tile: (..., in / 4, 4)
+            codes = self._buffers["codes"]
+            q = codes[index // TILE, :, index % TILE].reshape(*index.shape, -1).float()
         return (q * self.scales[index].float().unsqueeze(-1)).to(self.dtype)
 
     def extra_repr(self) -> str:

@@ -13,6 +13,8 @@ These take one call each:
   Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`);
 - `f32_matmul` (f32_matmul.cpp): float32 products of a few rows, the matrix read as tiles of 32
   output columns (`model.cpu.few_rows_linear`);
+- `q8_matmul` (q8_matmul.cpp): int8 products, the rows quantized to 8 bits per block of 32 and
+  multiplied byte by byte (`model.quantize.Int8Linear`);
 - `logit_stats` (logit_stats.cpp): each row of logits' argmax and log-sum-exp, what the sampler
   reads of them (`engine.sampler`).
 
@@ -49,6 +51,7 @@ SOURCES = [
         "row_ops.cpp",
         "int4_matmul.cpp",
         "f32_matmul.cpp",
+        "q8_matmul.cpp",
         "logit_stats.cpp",
     )
 ]
