@@ -24,7 +24,9 @@
    PyTorch's int4 kernel against the compiled one (`model.int4_linear`).
 6. `--parts f32`: GPT-2's layer matrices and head by 1 to 16 float32 rows, oneDNN's layout
    against the tiles that the engine reads for a few rows (`model.cpu.few_rows_linear`).
-7. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
+7. `--parts q8`: GPT-2's int8 matrices by 1 to 512 rows, PyTorch's int8 kernel against the
+   tiles of 8-bit products (`model.quantize.Int8Linear`, kernels/cpu/q8_matmul.cpp).
+8. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
    7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
    the prefill, also the whole model step and the score product (MKL against oneDNN).
 
@@ -338,13 +340,13 @@ def precision_rows() -> list[Row]:
             layers,
             [pack_linear(m, threads) for m in layers],
             [pack_linear(m, threads) for m in layers16],
-            [Int8Linear(m) for m in layers16],
+            [Int8Linear(m, tiled=False) for m in layers16],
         ),
         "vocabulary head": (
             [head],
             [pack_head(head, threads)[0]],
             [pack_head(head16, threads)[0]],
-            [Int8Linear(head16)],
+            [Int8Linear(head16, tiled=False)],
         ),
     }
     rows = []
@@ -505,6 +507,31 @@ def f32_rows() -> list[Row]:
     return rows
 
 
+@torch.no_grad()
+def q8_rows() -> list[Row]:
+    """GPT-2's 48 layer matrices and its head in int8 by 1 to 512 rows: `Int8Linear` with
+    PyTorch's int8 kernel (bfloat16 rows; the dequantized product from MANY_ROWS rows where
+    bfloat16 is native) against the compiled tiles (float32 rows quantized to 8 bits per block;
+    dequantized from TILED_MANY_ROWS rows where bfloat16 is native)."""
+    from model.quantize import q8_ops
+
+    if q8_ops(768, torch.device("cpu")) is None:
+        print("q8: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
+        return []
+    layers, head = gpt2_matrices()
+    plain = [*layers, head]
+    pytorch = [Int8Linear(m, tiled=False) for m in plain]
+    tiles = [Int8Linear(m) for m in plain]
+    size = sum(m.weight.numel() for m in plain)
+    rows = []
+    for n in (1, 2, 4, 8, 16, 32, 128, 512):
+        xs = {768: torch.randn(n, 768), 3072: torch.randn(n, 3072)}
+        timed = alternate(apply_all(pytorch, plain, xs), apply_all(tiles, plain, xs),
+                          rounds=7 if n < 128 else 3)  # fmt: skip
+        rows.append((f"49 int8 matrices, {n} row(s)", "PyTorch's int8 -> tiles", *timed, size))
+    return rows
+
+
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
@@ -515,6 +542,7 @@ PARTS = {
     "steps": step_rows,
     "int4": int4_rows,
     "f32": f32_rows,
+    "q8": q8_rows,
 }
 
 

@@ -1,8 +1,11 @@
 """Weight-only int8 quantization of a loaded model, applied from outside it (`quantize`).
 
 `quantize(model, "int8")` replaces each layer's four matrices and the output head by `Int8Linear`:
-int8 weights with one scale per output channel (symmetric, round to nearest), multiplied by
-PyTorch's int8 weight-pack product (`torch.ops.aten._weight_int8pack_mm`) on a CPU and on CUDA.
+int8 weights with one scale per output channel (symmetric, round to nearest). On a CPU where the
+compiled kernels run (`kernels/cpu/q8_matmul.cpp`), the matrix is held in tiles and multiplied
+byte by byte with the rows quantized to 8 bits per block of 32, as llama.cpp's q8_0 runs
+(`Int8Linear`'s docstring has the figures); elsewhere, and for what follows, by PyTorch's int8
+weight-pack product (`torch.ops.aten._weight_int8pack_mm`), on a CPU and on CUDA.
 Activations, LayerNorms, biases, positions and the KV cache stay in the model's dtype. A tied
 embedding reads its rows from the int8 head (dequantized), so the table is stored once: for
 GPT-2 124M the weights then take 127 MB instead of 498 MB in float32.

@@ -137,7 +137,7 @@ class Settings:
         False, "a request's tokens and logprobs do not depend on what else runs in its batch, "
         "to the bit, in float32, bfloat16, int8 and a GGUF file's bits: float32 products of a few rows keep oneDNN's kernel "
         "(not the compiled tiles), the CPU decode attention keeps the cache's dtype and int8 "
-        "products keep their int8 kernel at every row count, which slows few-stream float32, "
+        "products keep their kernel at every row count, which slows few-stream float32, "
         "bfloat16 and large int8 batches (docs/RELIABILITY.md); CPU only, not with "
         "speculative decoding", group="engine",
     )  # fmt: skip
