@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument(
         "--quantize", default="none", choices=QUANTIZATIONS,
-        help="int8: weight-only int8 for the layer matrices and the head (see python -m server)",
+        help="int8: int8 layer matrices and head (see python -m server)",
     )  # fmt: skip
     return parser.parse_args(argv)
 

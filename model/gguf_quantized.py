@@ -9,7 +9,8 @@
 - F32, F16, BF16: `nn.Linear` in the model's dtype, as `dequantized_state` gives them.
 
 The int4 products run in float32 with the file's scales exactly where the compiled CPU kernels
-build, else in bfloat16 through PyTorch's kernel (`model.int4_linear`); the int8 ones in bfloat16.
+build, else in bfloat16 through PyTorch's kernel (`model.int4_linear`); the int8 ones with their
+rows rounded to 8 bits per block (`model.quantize`).
 So the model is close to the float model, not equal to it: tests/model/test_gguf_lowbit.py
 measures how far (SmolLM2 over the first 512 tokens of Shakespeare: the top token is the float
 model's at every position with the compiled kernel, at 99.0% with PyTorch's; the loss within

@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization of a loaded model, applied from outside it (`quantize`).
+"""Int8 quantization of a loaded model's matrices, applied from outside it (`quantize`).
 
 `quantize(model, "int8")` replaces each layer's four matrices and the output head by `Int8Linear`:
 int8 weights with one scale per output channel (symmetric, round to nearest). On a CPU where the
@@ -6,7 +6,9 @@ compiled kernels run (`kernels/cpu/q8_matmul.cpp`), the matrix is held in tiles 
 byte by byte with the rows quantized to 8 bits per block of 32, as llama.cpp's q8_0 runs
 (`Int8Linear`'s docstring has the figures); elsewhere, and for what follows, by PyTorch's int8
 weight-pack product (`torch.ops.aten._weight_int8pack_mm`), on a CPU and on CUDA.
-Activations, LayerNorms, biases, positions and the KV cache stay in the model's dtype. A tied
+LayerNorms, biases, positions and the KV cache stay in the model's dtype, and so do the
+activations between products (the compiled product rounds its input rows to 8 bits for itself;
+PyTorch's to bfloat16). A tied
 embedding reads its rows from the int8 head (dequantized), so the table is stored once: for
 GPT-2 124M the weights then take 127 MB instead of 498 MB in float32.
 
@@ -100,8 +102,8 @@ def check_quantization(method: str, device: torch.device | str, dtype: torch.dty
         raise QuantizeError(f"--quantize int8 needs PyTorch 2.4 or later (this is {torch.__version__})")  # fmt: skip
     if torch.device(device).type == "cpu" and dtype == torch.float16:
         raise QuantizeError(
-            "--quantize int8 on a CPU runs with --dtype float32 or bfloat16 (its int8 products "
-            "run in bfloat16; float16 has no fast path here)"
+            "--quantize int8 on a CPU runs with --dtype float32 or bfloat16 (float16 has no fast "
+            "path for its int8 products here)"
         )
     if torch.device(device).type not in ("cpu", "cuda"):
         raise QuantizeError(f"--quantize int8 runs on cpu or cuda, not {torch.device(device).type}")  # fmt: skip
@@ -272,10 +274,11 @@ class Int8Embedding(nn.Module):
 
 
 def keep_int8_kernel(model: nn.Module) -> None:
-    """Make every int8 product of `model` take the int8 kernel at every row count, so a row's
-    result does not depend on how many rows are multiplied with it (batch invariance); a batch
-    of `MANY_ROWS` rows and more is then slower where bfloat16 products are native
-    (docs/RELIABILITY.md has the cost)."""
+    """Make every int8 product of `model` take its int8 kernel (the compiled tiles or PyTorch's)
+    at every row count, so a row's result does not depend on how many rows are multiplied with
+    it (batch invariance); a batch of `TILED_MANY_ROWS` (`MANY_ROWS` for PyTorch's kernel) rows
+    and more is then slower where bfloat16 products are native (docs/RELIABILITY.md has the
+    cost)."""
     for module in model.modules():
         if isinstance(module, Int8Linear):
             module.many_rows = None

@@ -83,8 +83,9 @@ class Settings:
         choices=("auto", "float32", "float16", "bfloat16"),
     )  # fmt: skip
     quantize: str = flag(
-        "none", "weight quantization at load: int8 = weight-only int8, a scale per output channel, "
-        "for the layer matrices and the head (on a CPU: with --dtype float32 or bfloat16); none "
+        "none", "weight quantization at load: int8 = int8 weights, a scale per output channel, "
+        "for the layer matrices and the head, their input rows rounded to 8 bits per block of 32 "
+        "on a CPU (there with --dtype float32 or bfloat16); none "
         "keeps a GGUF file's own bits on a CPU; dequantize = a GGUF file's weights as float",
         choices=("none", "int8", "dequantize"),
     )  # fmt: skip

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -63,8 +64,16 @@ void quantize_rows(const float* x, int64_t rows, int64_t width, int8_t* xq, floa
   for (int64_t b = 0; b < rows * width / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
+    bool nan = false;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      amax = std::max(amax, std::fabs(xb[i]));
+      nan |= xb[i] != xb[i];
+    }
+    // a NaN makes the block's scale NaN (the outputs then are, as a float product's would be);
+    // a block of values below 1e-30 counts as zeros (1 / scale would overflow)
+    const bool zero = nan || !(amax >= 1e-30f);
+    const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : (zero ? 0.f : amax / 127.f);
+    const float inverse = zero ? 0.f : 1.f / scale;
     d[b] = scale;
     for (int64_t i = 0; i < kBlock; ++i) {
       const float v = xb[i] * inverse;  // within [-127, 127]

@@ -103,3 +103,15 @@ def test_bad_inputs_are_refused():
         op(torch.randn(2, 64), codes, scales.bfloat16(), None, 64)
     with pytest.raises(ValueError, match="does not run here"):
         Int8Linear(nn.Linear(40, 8), tiled=True)  # 40 inputs: not whole blocks of 32
+
+
+def test_a_nan_comes_out_as_nan_and_tiny_blocks_as_zeros():
+    q, scales = quantize_rows(torch.randn(40, 64))
+    codes = pack_q8_tiles(q)
+    x = torch.randn(3, 64)
+    x[0, 5] = float("nan")  # row 0: every output NaN
+    x[1, :32] = 1e-35  # row 1: its first block counts as zeros
+    got = OPS.q8_matmul(x, codes, scales, None, 40)
+    assert got[0].isnan().all() and not got[1:].isnan().any()
+    x[1, :32] = 0.0
+    assert torch.equal(OPS.q8_matmul(x[1:2], codes, scales, None, 40), got[1:2])

@@ -49,6 +49,6 @@ def test_the_engine_decodes_what_the_full_forward_predicts(dtype, method):
         # each greedy token is the full forward's best, or at most once a near-tie with it: the
         # two paths round differently (int8 products quantize their rows to 8 bits per block)
         best = lp.argmax(-1).tolist()
-        assert sum(g != b for g, b in zip(got, best)) <= 1
+        assert sum(g != b for g, b in zip(got, best)) <= (1 if method == "int8" else 0)
         assert (lp.max(-1).values - chosen <= 0.1).all()
         torch.testing.assert_close(torch.tensor(logprobs[str(i)]), chosen, rtol=0, atol=0.1)
