@@ -56,8 +56,8 @@ ALIGN_BYTES = 64  # the CPU kernel's aligned loads need 32; PyTorch's allocator 
 # (SmolLM2's head 3.6 against 5.4 ms) and ties or loses at 32 (the head 7.1 against 6.6 ms)
 MANY_ROWS = 32
 # the compiled 8-bit product (kernels/cpu/q8_matmul.cpp) against the dequantized bfloat16 product,
-# GPT-2's 49 matrices: 2.5x at 32 rows, 1.5x at 64, 1.1x at 128, 0.73x at 512
-TILED_MANY_ROWS = 256
+# GPT-2's 49 matrices: 2.5x at 32 rows, 1.5x at 64, 0.8-1.1x at 128 (two runs), 0.73x at 512
+TILED_MANY_ROWS = 128
 TILE = 32  # output columns a tile of the compiled product holds
 QUAD = 4  # inputs a column's consecutive bytes hold there
 

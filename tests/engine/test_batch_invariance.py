@@ -32,7 +32,7 @@ BF16 = "bfloat16: the decode attention upcasts a step of few keys to float32 (no
 # the compiled decode attention computes each sequence alone: no batch-dependent upcast
 BF16_SWITCHES = native_ops() is None
 INT8 = (
-    "int8: the products dequantize the weights from 32 rows on, 256 from tiles (not with the flag)"
+    "int8: the products dequantize the weights from 32 rows on, 128 from tiles (not with the flag)"
 )
 # where bfloat16 products are not native (AVX2 hosts) int8 keeps its kernel at every row count
 INT8_SWITCHES = dequantize_from_rows(torch.device("cpu")) is not None
