@@ -13,14 +13,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 
+#include "vec_f32.h"
 #include "vec_math.h"
 
 namespace {
@@ -30,38 +27,17 @@ constexpr int64_t kRowChunk = 64;  // rows a thread keeps in cache while its til
 constexpr int64_t kPrefetchRows = 8;  // a tile's rows of K asked for this far ahead (1 KiB)
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kRows = 4;        // rows that share a tile's loads (with kTilesMany: 16 sums)
-constexpr int kTilesMany = 2;   // tiles those rows take at once
-constexpr int kTilesLone = 4;   // tiles a lone row takes at once
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset(float v) { return _mm512_set1_ps(v); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+constexpr int kRows = 4;       // rows that share a tile's loads (with kTilesMany: 16 sums)
+constexpr int kTilesMany = 2;  // tiles those rows take at once
+constexpr int kTilesLone = 4;  // tiles a lone row takes at once
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
 constexpr int kRows = 3;  // 12 sums of 16 registers
 constexpr int kTilesMany = 1;
 constexpr int kTilesLone = 2;
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float v) { return _mm256_set1_ps(v); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-#else  // any other CPU: one lane at a time, the same arithmetic
-constexpr int kLanes = 1;
+#else
 constexpr int kRows = 1;
 constexpr int kTilesMany = 1;
 constexpr int kTilesLone = 1;
-using Vec = float;
-inline Vec vzero() { return 0.f; }
-inline Vec vset(float v) { return v; }
-inline Vec vload(const float* p) { return *p; }
-inline Vec vfma(Vec a, Vec b, Vec c) { return __builtin_fmaf(a, b, c); }
-inline void vstore(float* p, Vec v) { *p = v; }
 #endif
 
 constexpr int kVecs = kTile / kLanes;  // vectors across a tile's columns

@@ -18,9 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "vec_f32.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -37,15 +35,8 @@ constexpr int64_t kRowChunk = 64;  // rows a thread keeps in cache while its til
 constexpr int64_t kPrefetchGroups = 16;
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kRows = 4;  // rows a tile's decoded codes serve at once (32 registers)
 constexpr int kTilesPerRow = 4;  // tiles a lone row takes at once
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset(float v) { return _mm512_set1_ps(v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // kLanes bytes -> their low and high nibbles as floats
 inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -56,17 +47,9 @@ inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
 inline Vec load_table(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline Vec load_table(const float* p) { return _mm512_loadu_ps(p); }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
 constexpr int kRows = 2;  // of 16 registers, some spill: still half the decoding a row
 constexpr int kTilesPerRow = 1;
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float v) { return _mm256_set1_ps(v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
@@ -75,24 +58,16 @@ inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
 inline Vec load_table(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline Vec load_table(const float* p) { return _mm256_loadu_ps(p); }
 #else  // any other CPU: one lane at a time, the same arithmetic
-constexpr int kLanes = 1;
 constexpr int kRows = 1;
 constexpr int kTilesPerRow = 1;
-using Vec = float;
-inline Vec vzero() { return 0.f; }
-inline Vec vset(float v) { return v; }
-inline Vec vfma(Vec a, Vec b, Vec c) { return __builtin_fmaf(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return a + b; }
-inline void vstore(float* p, Vec v) { *p = v; }
 inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
   lo = static_cast<float>(*p & 15);
   hi = static_cast<float>(*p >> 4);
 }
 inline Vec load_table(const c10::Half* p) { return static_cast<float>(*p); }
-inline Vec load_table(const float* p) { return *p; }
 #endif
+inline Vec load_table(const float* p) { return vload(p); }
 
 constexpr int kVecs = kTile / kLanes;  // vectors across a tile's columns
 

@@ -55,7 +55,7 @@ SOURCES = [
         "logit_stats.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name("vec_math.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h")]
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for's threads are torch's
 
 
