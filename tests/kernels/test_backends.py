@@ -134,8 +134,17 @@ def test_one_plan_per_step_read_by_every_layer(monkeypatch):
         attended.append(step)
         return forward(q, k, v, k_pool, v_pool, step, sm_scale)
 
+    forward_qkv = backend.forward_qkv
+
+    def layer_qkv(qkv, cos, sin, k_pool, v_pool, step, n_head, out_dtype=None):
+        y = forward_qkv(qkv, cos, sin, k_pool, v_pool, step, n_head, out_dtype)
+        if y is not None:  # a step of decodes in one call (where the compiled kernels run)
+            attended.append(step)
+        return y
+
     monkeypatch.setattr(backend, "plan", planning)
     monkeypatch.setattr(backend, "forward", layer)
+    monkeypatch.setattr(backend, "forward_qkv", layer_qkv)
     _run_steps(model, cache)
     assert len(plans) == 4  # one per step
     assert [id(p) for p in attended] == [id(p) for p in plans for _ in range(3)]  # every layer
