@@ -297,13 +297,17 @@ class KVCache:
         return self.backend.forward(q, k, v, *self._layers[layer], plan)
 
     def attend_qkv(
-        self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
         plan: AttentionPlan, n_head: int, out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """A whole decode step of one layer from its q/k/v product (N, (H + 2 H_kv) * D) and
-        rotary cos, sin (N, 1, D): the rotation, the writes and the attention, (N, H, D) in
-        `out_dtype` (None: qkv's); None where the backend has no such path for this step."""
-        return self.backend.forward_qkv(qkv, *rope, *self._layers[layer], plan, n_head, out_dtype)
+        rotary cos, sin (N, 1, D) (None: no rotary positions): the rotation, the writes and the
+        attention, (N, H, D) in `out_dtype` (None: qkv's); None where the backend has no such
+        path for this step."""
+        cos, sin = rope if rope is not None else (None, None)
+        return self.backend.forward_qkv(
+            qkv, cos, sin, *self._layers[layer], plan, n_head, out_dtype
+        )
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys/values (N, H_kv, D) at the step's slots

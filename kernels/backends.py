@@ -112,12 +112,14 @@ class AttentionBackend(ABC, Generic[PlanT]):
         return self.attend(q, k_pool, v_pool, plan, sm_scale)
 
     def forward_qkv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-        v_pool: torch.Tensor, plan: PlanT, n_head: int, out_dtype: torch.dtype | None = None,
+        self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+        k_pool: torch.Tensor, v_pool: torch.Tensor, plan: PlanT, n_head: int,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """One layer of a step from its q/k/v product (N, (H + 2 H_kv) * D) and rotary cos,
-        sin (N, 1, D), rotation included, in one call: (N, H, D) in `out_dtype`; None (the
-        default) where this backend has no such path, and the caller takes `forward`."""
+        sin (N, 1, D) (None: a model without rotary positions), rotation included, in one call:
+        (N, H, D) in `out_dtype`; None (the default) where this backend has no such path, and
+        the caller takes `forward`."""
         return None
 
     def __repr__(self) -> str:
@@ -239,19 +241,23 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def forward_qkv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-        v_pool: torch.Tensor, plan: CpuPagedPlan, n_head: int, out_dtype: torch.dtype | None = None,
+        self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+        k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan, n_head: int,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """The compiled `paged_decode_qkv`, for a step of decodes only over float32 pools with
-        float32 rotary (as `forward` computes them, to the bit in the attention's inputs)."""
+        float32 rotary or none (as `forward` computes them, to the bit in the attention's
+        inputs)."""
         if plan.rest is not None or plan.decodes is None or plan.decode is not None:
             return None  # not a step of decodes only that the plan gave the compiled kernel
-        if k_pool.dtype != torch.float32 or cos.dtype != torch.float32:
+        if k_pool.dtype != torch.float32 or (cos is not None and cos.dtype != torch.float32):
             return None
         meta, n = plan.decodes, qkv.shape[0]
         scale = k_pool.shape[-1] ** -0.5
+        if cos is not None:
+            cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, D)
         return native_ops().paged_decode_qkv(
-            qkv, cos.view(n, -1), sin.view(n, -1), k_pool, v_pool, plan.write.block,
+            qkv, cos, sin, k_pool, v_pool, plan.write.block,
             plan.write.offset, meta.block_tables, meta.context_lens, n_head, scale,
             out_dtype or torch.float32,
         )  # fmt: skip

@@ -22,7 +22,7 @@ from kernels import flash_attention
 from kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
 from model.config import ModelConfig
 from model.rmsnorm import RMSNorm
-from model.rotary import apply_rotary, no_rotation, rotary_cos_sin, rotary_inv_freq
+from model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -108,9 +108,8 @@ class CausalSelfAttention(nn.Module):
         y = None
         fused = getattr(cache, "attend_qkv", None)  # a cache's one-call decode, if it has one
         if fused is not None and not self.qk_norm:
-            turn = rope if rope is not None else no_rotation(N, self.head_dim)  # unrotated: as is
             # None unless this step and cache suit it; else (N, nh, hs) in the dtype c_proj takes
-            y = fused(layer, qkv, turn, plan, self.n_head, getattr(c_proj, "op_dtype", None))
+            y = fused(layer, qkv, rope, plan, self.n_head, getattr(c_proj, "op_dtype", None))
         if y is None:
             q, k, v = self._heads(qkv, rope)  # (N, nh, hs), (N, n_kv, hs), (N, n_kv, hs)
             y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first

@@ -8,7 +8,6 @@ interleaved instead; their loader undoes that permutation).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -59,11 +58,3 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     (not `addcmul`, whose fused rounding moves a GGUF model at its bits off its float twin).
     """
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
-
-
-@functools.cache
-def no_rotation(n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos = 1 and sin = 0, each (n, 1, head_dim) float32: a rotation that leaves every value as
-    it is (x * 1 + y * 0 = x), so that a model without rotary positions can take a one-call decode
-    that rotates (`PagedKV.attend_qkv`). Cached per shape; never written to."""
-    return torch.ones(n, 1, head_dim), torch.zeros(n, 1, head_dim)

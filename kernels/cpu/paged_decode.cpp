@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -312,11 +313,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 // one row of rotary: x * cos + rotate_half(x) * sin with sin's first half negated
 // (model/rotary.py), two products rounded and then added as PyTorch does (no fused multiply-add,
-// which moves a GGUF model at its bits off its float twin)
+// which moves a GGUF model at its bits off its float twin); without cos and sin (a model without
+// rotary positions) the row as it is, in float32
 template <typename In>
 __attribute__((optimize("fp-contract=off"))) void rotate_row(const In* x, const float* cos,
                                                              const float* sin, int64_t dim,
                                                              float* y) {
+  if (cos == nullptr) {
+    for (int64_t i = 0; i < dim; ++i) y[i] = static_cast<float>(x[i]);
+    return;
+  }
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < dim; ++i) {
     const float turned = static_cast<float>(x[i < half ? i + half : i - half]);
@@ -328,10 +334,12 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(const In* x, const 
 
 // A decode step of a layer from its fused q/k/v product: qkv (N, (H + 2 H_kv) * D) float32 or
 // bfloat16, one new token per sequence (N sequences); cos and sin (N, D) float32 of each token's
-// position (model/rotary.py). Rotates q and k in float32, writes k and v to float32 pools at
+// position (model/rotary.py), or none for a model without rotary positions. Rotates q and k in
+// float32, writes k and v to float32 pools at
 // (write_block, write_offset), attends, and returns (N, H, D) in out_dtype (the dtype of the
 // product that follows): what the PyTorch steps between the two products computed, in one call.
-at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tensor>& cos,
+                            const std::optional<at::Tensor>& sin,
                             const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& write_block, const at::Tensor& write_offset,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -343,9 +351,11 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (n_head + 2 * n_kv) * dim &&
                   n_head % n_kv == 0 && dim % 2 == 0,
               "qkv must be (N, (H + 2 H_kv) * D) with contiguous rows");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * dim &&
-                  sin.numel() == n * dim,
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together or not at all");
+  TORCH_CHECK(!cos.has_value() ||
+                  (cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat &&
+                   cos->is_contiguous() && sin->is_contiguous() && cos->numel() == n * dim &&
+                   sin->numel() == n * dim),
               "cos and sin must be contiguous float32 (N, D)");
   check_step(k_pool, v_pool, write_block, write_offset, n, block_tables, context_lens, n);
   const auto f32 = qkv.options().dtype(at::kFloat);
@@ -353,15 +363,17 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
   at::Tensor k = at::empty({n, n_kv, dim}, f32);
   at::Tensor v = at::empty({n, n_kv, dim}, f32);
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float* cp = cos.has_value() ? cos->data_ptr<float>() : nullptr;
+  const float* sp = sin.has_value() ? sin->data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "paged_decode_qkv", [&] {
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* row = qkv.data_ptr<scalar_t>() + t * qkv.stride(0);
       for (int64_t h = 0; h < n_head; ++h) {
-        rotate_row(row + h * dim, cp + t * dim, sp + t * dim, dim, qp + (t * n_head + h) * dim);
+        rotate_row(row + h * dim, cp ? cp + t * dim : cp, sp ? sp + t * dim : sp, dim,
+                   qp + (t * n_head + h) * dim);
       }
       for (int64_t h = 0; h < n_kv; ++h) {
-        rotate_row(row + (n_head + h) * dim, cp + t * dim, sp + t * dim, dim,
+        rotate_row(row + (n_head + h) * dim, cp ? cp + t * dim : cp, sp ? sp + t * dim : sp, dim,
                    kp + (t * n_kv + h) * dim);
         const scalar_t* value = row + (n_head + n_kv + h) * dim;
         for (int64_t d = 0; d < dim; ++d) vp[(t * n_kv + h) * dim + d] = static_cast<float>(value[d]);
@@ -389,7 +401,7 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
       "int n_decode, float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
   m.def(
-      "paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+      "paged_decode_qkv(Tensor qkv, Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
       "Tensor write_block, Tensor write_offset, Tensor block_tables, Tensor context_lens, "
       "int n_head, float scale, ScalarType out_dtype) -> Tensor");
   m.impl("paged_decode_qkv", c10::DispatchKey::CPU, &paged_decode_qkv);

@@ -161,6 +161,32 @@ def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out
     assert rel_error(out, ref) < TOLERANCE[out_dtype]
 
 
+def test_the_step_without_rotary_positions_takes_q_and_k_as_they_are():
+    n_head, n_kv, dim, bs = 4, 4, 16, 8  # GPT-2's shape: no rotation, every head its keys
+    _, k, v, meta = paged_batch([5, 12], [1, 1], bs, n_head=n_head, head_dim=dim,
+                                dtype=torch.float32, device="cpu", head_major=True,
+                                n_kv_head=n_kv)  # fmt: skip
+    qkv = torch.randn(2, (n_head + 2 * n_kv) * dim, generator=torch.Generator().manual_seed(3))
+    heads = qkv.view(2, n_head + 2 * n_kv, dim)
+    q, k_new, v_new = heads[:, :n_head], heads[:, n_head : 2 * n_head], heads[:, 2 * n_head :]
+    at = KVWrite.of(meta, bs)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[at.block, at.offset], want_v[at.block, at.offset] = k_new, v_new
+    ref = paged_attention_reference(q, want_k, want_v, meta)
+    out = native.native_ops().paged_decode_qkv(
+        qkv, None, None, k, v, at.block, at.offset, meta.block_tables, meta.context_lens,
+        n_head, dim**-0.5, torch.float32,
+    )  # fmt: skip
+    assert torch.equal(k.nan_to_num(7), want_k.nan_to_num(7))
+    assert torch.equal(v.nan_to_num(7), want_v.nan_to_num(7))
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    with pytest.raises(RuntimeError, match="together"):
+        native.native_ops().paged_decode_qkv(
+            qkv, None, torch.zeros(2, dim), k, v, at.block, at.offset, meta.block_tables,
+            meta.context_lens, n_head, dim**-0.5, torch.float32,
+        )  # fmt: skip
+
+
 def test_metadata_pointing_outside_the_pool_is_refused_not_read():
     q, k, v, meta = paged_batch([9], [1], 4, n_head=2, head_dim=16, dtype=torch.float32,
                                 device="cpu", head_major=True)  # fmt: skip
