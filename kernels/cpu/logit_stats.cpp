@@ -17,7 +17,12 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // independent partial results (vectorizable)
+// independent partial results: one vector's worth (16 lanes in two AVX2 registers do not vectorize)
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // logits (B, V) float32 with contiguous rows -> (argmax (B,) int64, logsumexp (B,) float32);

@@ -132,12 +132,49 @@ inline void tile_scores(const float* q, const float* tile, int64_t n, int64_t st
   }
 }
 
-// ask for rows [0, n) of a tile (row stride `stride`, `dim` elements each) to be cached
+// acc[0, M vectors) += p[s] * the same vectors of value row s, for a tile's n float32 rows
+// (row stride `stride`) in order, acc held in registers across the rows
+template <int M>
+inline void held_values(const float* p, const float* tile, int64_t n, int64_t stride,
+                        float* acc) {
+  vf a[M];
+  for (int i = 0; i < M; ++i) a[i] = load_vec(acc + i * kVec);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* row = tile + s * stride;
+    const vf weight = vf{} + p[s];
+    for (int i = 0; i < M; ++i) a[i] += weight * load_vec(row + i * kVec);
+  }
+  std::memcpy(acc, a, sizeof(a));
+}
+
+// acc (dim, a multiple of kVec) += p[s] * value row s of a tile's n float32 rows, in order
+inline void tile_values(const float* p, const float* tile, int64_t n, int64_t stride,
+                        int64_t dim, float* acc) {
+  int64_t c = 0;
+  for (; c + 8 * kVec <= dim; c += 8 * kVec) held_values<8>(p, tile + c, n, stride, acc + c);
+  switch ((dim - c) / kVec) {
+    case 7: return held_values<7>(p, tile + c, n, stride, acc + c);
+    case 6: return held_values<6>(p, tile + c, n, stride, acc + c);
+    case 5: return held_values<5>(p, tile + c, n, stride, acc + c);
+    case 4: return held_values<4>(p, tile + c, n, stride, acc + c);
+    case 3: return held_values<3>(p, tile + c, n, stride, acc + c);
+    case 2: return held_values<2>(p, tile + c, n, stride, acc + c);
+    case 1: return held_values<1>(p, tile + c, n, stride, acc + c);
+    default: return;
+  }
+}
+
+// ask for rows [0, n) of heads [h0, h1) of a block (row stride `stride`, head stride
+// `head_stride`, `dim` elements each) to be cached
 template <typename T>
-inline void prefetch_rows(const T* tile, int64_t n, int64_t stride, int64_t dim) {
+inline void prefetch_rows(const T* block, int64_t n, int64_t stride, int64_t h0, int64_t h1,
+                          int64_t head_stride, int64_t dim) {
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int64_t s = 0; s < n; ++s) {
-    for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(tile + s * stride + d);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* row = block + s * stride + h * head_stride;
+      for (int64_t d = 0; d < dim; d += kLine) __builtin_prefetch(row + d);
+    }
   }
 }
 
@@ -172,67 +209,98 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t vb = v_pool.stride(0), vs = v_pool.stride(1), vh = v_pool.stride(2);
   int64_t work = 0;  // (`check_step` has checked every context and table entry read below)
   for (int64_t b = 0; b < n_seq; ++b) work += int64_t(ctx_lens[b]) * n_head * dim;
-  const int64_t tasks = n_seq * n_kv;
+  // A task is a sequence's run of `span` KV heads: it reads each block's rows of those heads
+  // in memory order (the whole block when every head is one task's, as with many sequences).
+  // Runs are split only as far as the threads need work.
+  const int64_t threads = at::get_num_threads();
+  const int64_t runs = std::min(n_kv, std::max<int64_t>(1, (2 * threads + n_seq - 1) / n_seq));
+  const int64_t span = (n_kv + runs - 1) / runs;
+  const int64_t per_seq = (n_kv + span - 1) / span;
+  const int64_t tasks = n_seq * per_seq;
   const int64_t grain = work < kSerialWork ? tasks : 1;
   // float32 keys in rows of whole vectors take `tile_scores` (a choice of the pools' shape
   // alone: a sequence's scores never depend on its batch)
   const bool tiled = dim % kVec == 0;
+  const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    std::vector<float> qf(span * group * dim), acc(span * group * dim), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / n_kv, h = task % n_kv;
+      const int64_t b = task / per_seq, h0 = task % per_seq * span;
+      const int64_t h1 = std::min(n_kv, h0 + span), heads = (h1 - h0) * group;
       const int64_t ctx = ctx_lens[b];
       const int32_t* table = tables + b * table_width;
-      for (int64_t g = 0; g < group; ++g) {  // the G query heads that read KV head h
-        const T* src = qp + b * q.stride(0) + (h * group + g) * q.stride(1);
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]) * scale;
+      for (int64_t j = 0; j < heads; ++j) {  // query heads h0 * group ... h1 * group - 1
+        const T* src = qp + b * q.stride(0) + (h0 * group + j) * q.stride(1);
+        for (int64_t d = 0; d < dim; ++d) qf[j * dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      scores.resize(group * ctx);  // (G, ctx)
+      scores.resize(heads * ctx);  // (heads, ctx)
       for (int64_t start = 0; start < ctx; start += bs) {
-        const T* tile = kp + int64_t(table[start / bs]) * kb + h * kh;
+        const T* block = kp + int64_t(table[start / bs]) * kb;
         const int64_t n = std::min(bs, ctx - start);
-        if (start + bs < ctx) {  // the next key tile and this value tile, while this one computes
-          prefetch_rows(kp + int64_t(table[start / bs + 1]) * kb + h * kh, n, ks, dim);
+        // the next block's rows of head h are asked for while head h of this one computes
+        const T* next = start + bs < ctx ? kp + int64_t(table[start / bs + 1]) * kb : nullptr;
+        const int64_t next_n = std::min(bs, ctx - start - bs);
+        for (int64_t h = h0; h < h1; ++h) {
+          if (next != nullptr) prefetch_rows(next, next_n, ks, h, h + 1, kh, dim);
+          const T* tile = block + h * kh;
+          const int64_t row0 = (h - h0) * group;
+          if constexpr (std::is_same_v<T, float>) {
+            if (tiled) {
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t r = row0 + g;
+                tile_scores(&qf[r * dim], tile, n, ks, dim, &scores[r * ctx + start]);
+              }
+              continue;
+            }
+          }
+          for (int64_t s = 0; s < n; ++s) {
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t r = row0 + g;
+              scores[r * ctx + start + s] = dot(&qf[r * dim], tile + s * ks, dim);
+            }
+          }
         }
-        prefetch_rows(vp + int64_t(table[start / bs]) * vb + h * vh, n, vs, dim);
+      }
+      for (int64_t r = 0; r < heads; ++r) {  // softmax numerators; the sum divides at the end
+        float* row = &scores[r * ctx];
+        const float top = *std::max_element(row, row + ctx);
+        for (int64_t t = 0; t < ctx; ++t) row[t] = fast_exp(row[t] - top);
+        qf[r * dim] = 1.f / sum(row, ctx);  // the query is spent: its first slot keeps 1 / sum
+      }
+      std::fill(acc.begin(), acc.begin() + heads * dim, 0.f);
+      for (int64_t start = 0; start < ctx; start += bs) {
+        const T* block = vp + int64_t(table[start / bs]) * vb;
+        const int64_t n = std::min(bs, ctx - start);
+        const T* next = start + bs < ctx ? vp + int64_t(table[start / bs + 1]) * vb : nullptr;
+        const int64_t next_n = std::min(bs, ctx - start - bs);
         if constexpr (std::is_same_v<T, float>) {
           if (tiled) {
-            for (int64_t g = 0; g < group; ++g) {
-              tile_scores(&qf[g * dim], tile, n, ks, dim, &scores[g * ctx + start]);
+            for (int64_t r = 0; r < heads; ++r) {
+              const int64_t h = h0 + r / group;
+              if (next != nullptr && r % group == 0) prefetch_rows(next, next_n, vs, h, h + 1, vh, dim);
+              tile_values(&scores[r * ctx + start], block + h * vh, n, vs, dim, &acc[r * dim]);
             }
             continue;
           }
         }
+        if (next != nullptr) prefetch_rows(next, next_n, vs, h0, h1, vh, dim);
         for (int64_t s = 0; s < n; ++s) {
-          for (int64_t g = 0; g < group; ++g) {
-            scores[g * ctx + start + s] = dot(&qf[g * dim], tile + s * ks, dim);
+          for (int64_t h = h0; h < h1; ++h) {
+            const T* value = block + s * vs + h * vh;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t r = (h - h0) * group + g;
+              const float p = scores[r * ctx + start + s];
+              float* a = &acc[r * dim];
+              for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax numerators; the sum divides at the end
-        float* row = &scores[g * ctx];
-        const float top = *std::max_element(row, row + ctx);
-        for (int64_t t = 0; t < ctx; ++t) row[t] = fast_exp(row[t] - top);
-        qf[g * dim] = 1.f / sum(row, ctx);  // the query is spent: its first slot keeps 1 / sum
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < ctx; start += bs) {
-        const T* tile = vp + int64_t(table[start / bs]) * vb + h * vh;
-        const int64_t n = std::min(bs, ctx - start);
-        for (int64_t s = 0; s < n; ++s) {
-          const T* value = tile + s * vs;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * ctx + start + s];
-            float* a = &acc[g * dim];
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        O* dst = op + b * out.stride(0) + (h * group + g) * out.stride(1);
-        const float inv = qf[g * dim];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(acc[g * dim + d] * inv);
+      for (int64_t j = 0; j < heads; ++j) {
+        O* dst = op + b * out.stride(0) + (h0 * group + j) * out.stride(1);
+        const float inv = qf[j * dim];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(acc[j * dim + d] * inv);
       }
     }
   });

@@ -95,6 +95,35 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kv_dtype):
     assert torch.equal(together[2], alone[0])
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # whole vectors (the tiled loops) or not
+def test_the_split_of_heads_among_threads_leaves_the_bits_alone(head_dim):
+    # one sequence alone takes its heads a few at a time, eight take every head in one task;
+    # each sequence's bits are the same either way, on one thread or two
+    ctx = [70, 33, 16, 91, 5, 48, 64, 17]
+    q, k, v, meta = paged_batch(ctx, [1] * 8, 16, n_head=8, head_dim=head_dim,
+                                dtype=torch.float32, device="cpu", head_major=True,
+                                n_kv_head=4)  # fmt: skip
+    at = KVWrite.of(meta, 16)
+    k_new, v_new = k[at.block, at.offset].clone(), v[at.block, at.offset].clone()
+    op, scale = native.paged_decode_op(), head_dim**-0.5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = _step(q, k_new, v_new, k, v, meta, 8)
+        for threads_alone in (1, 2):
+            torch.set_num_threads(threads_alone)
+            for i in range(8):
+                one = slice(i, i + 1)
+                alone = op(q[one], k_new[one], v_new[one], k, v, at.block[one], at.offset[one],
+                           meta.block_tables[one].contiguous(), meta.context_lens[one], 1,
+                           scale)  # fmt: skip
+                assert torch.equal(alone[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
+    want = paged_attention_reference(q, k, v, meta)
+    assert rel_error(together, want) < TOLERANCE[torch.float32]
+
+
 def test_the_backend_takes_the_decodes_and_leaves_the_rest_to_pytorch():
     # two decodes, then a prefill of 4 new tokens: one call writes all 6 and attends the two
     q, k, v, meta = paged_batch([5, 9, 13], [1, 1, 4], 4, n_head=2, head_dim=8,
