@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.cpu.native import native_ops
+from model.activations import KERNEL_CODES, activate
 from model.cpu.isa import fast_bfloat16_products
 from model.gpt import GPT
 from model.int4_linear import Int4Linear
@@ -179,6 +180,9 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.dtype = dtype  # of inputs, outputs and bias
         self.out_dtype: torch.dtype | None = None  # None: `dtype`
+        # applied to the outputs (a name of model.activations): set where a feed-forward block's first
+        # product takes its activation (model.cpu.optimize.FusedMLP), "none" otherwise
+        self.activation = "none"
         ops = None if tiled is False else q8_ops(self.in_features, q.device)
         if tiled and ops is None:
             raise ValueError("the compiled 8-bit product does not run here")
@@ -223,6 +227,7 @@ class Int8Linear(nn.Module):
         y = int8_matmul(rows, buffers["weight"], buffers["scales"], self.many_rows)  # (M, out)
         if self.bias is not None:
             y = torch.add(self.bias, y)  # in the bias's dtype: the add is the cast back
+        y = activate(y, self.activation)
         want = self.out_dtype or self.dtype
         if y.dtype != want:
             y = y.to(want)
@@ -237,12 +242,14 @@ class Int8Linear(nn.Module):
             y = y * buffers["scales"].to(torch.bfloat16)
             if bias is not None:
                 y = torch.add(bias, y)
+            y = activate(y, self.activation)
         else:
-            fused = bias is not None and bias.dtype == torch.float32
+            fused = bias is None or bias.dtype == torch.float32
+            act = KERNEL_CODES[self.activation] if fused else 0
             y = self.q8(rows.float(), buffers["codes"], buffers["scales"],
-                        bias if fused else None, self.out_features)  # fmt: skip
-            if bias is not None and not fused:
-                y = torch.add(bias, y)
+                        bias if fused else None, self.out_features, act)  # fmt: skip
+            if not fused:
+                y = activate(torch.add(bias, y), self.activation)
         want = self.out_dtype or self.dtype
         if y.dtype != want:
             y = y.to(want)

@@ -42,8 +42,6 @@ constexpr int kTilesLone = 1;
 
 constexpr int kVecs = kTile / kLanes;  // vectors across a tile's columns
 
-enum Activation : int64_t { kNone = 0, kGeluTanh = 1, kRelu = 2 };
-
 // R rows (ldx floats apart) times TL consecutive tiles (tile_floats apart) -> y (TL, R, kTile)
 template <int R, int TL>
 void tile_rows(const float* x, int64_t ldx, const float* w, int64_t tile_floats, int64_t width,
@@ -99,14 +97,7 @@ void finish(const float* y, int64_t rows, const float* bias, int64_t cols, Activ
     const float* yr = y + r * kTile;
     float* o = out + r * ldo;
     for (int64_t j = 0; j < cols; ++j) {
-      float v = bias ? yr[j] + bias[j] : yr[j];
-      if (act == kGeluTanh) {  // 0.5 v (1 + tanh(u)) = v (1 - 1 / (1 + e^(2u)))
-        const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
-        v = v - v / (1.f + fast_exp(2.f * u));
-      } else if (act == kRelu) {
-        v = v > 0.f ? v : 0.f;
-      }
-      o[j] = v;
+      o[j] = activate(bias ? yr[j] + bias[j] : yr[j], act);
     }
   }
 }

@@ -1,7 +1,7 @@
 // Int8 products with 8-bit rows: x (M, K) float32, quantized here per block of 32 inputs to int8
 // with a float32 scale (amax / 127, the value rounded to nearest, halves away from zero), times an
-// int8 matrix with one scale per output column and an optional bias:
-// y = scale * sum_blocks(d_block * sum_k(w * xq)) + bias, in float32.
+// int8 matrix with one scale per output column, an optional bias and an optional activation
+// (GELU's tanh form or ReLU, vec_math.h): y = act(scale * sum_blocks(d_block * sum_k(w * xq)) + bias), in float32.
 //
 // The matrix lies in tiles of 32 output columns (model/quantize.py packs it): a tile is (K / 4,
 // 32, 4) bytes, each column's 4 weights for 4 consecutive inputs side by side, so that a vector
@@ -19,6 +19,8 @@
 #include <c10/util/BFloat16.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "vec_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -121,9 +123,9 @@ void tile_row(const int8_t* xq, const float* d, const int8_t* w, int64_t width, 
 }
 
 // x (M, K) float32, K a multiple of 32; codes (tiles, K / 4, 32, 4) int8; scales (N) float32;
-// bias (N) float32 or none -> (M, N) float32
+// bias (N) float32 or none; activation a code of vec_math.h's -> (M, N) float32
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias, int64_t n) {
+                     const std::optional<at::Tensor>& bias, int64_t n, int64_t activation) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "x must be (M, K) float32 on the CPU");
   const int64_t rows = x.size(0), width = x.size(1), tiles = codes.dim() ? codes.size(0) : 0;
@@ -136,6 +138,8 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.scalar_type() == at::kFloat &&
                   scales.is_contiguous(),
               "scales must be (n) contiguous float32");
+  TORCH_CHECK(activation >= kNone && activation <= kRelu, "activation must be 0, 1 or 2");
+  const auto act = static_cast<Activation>(activation);
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat &&
@@ -161,7 +165,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                  width, sums);
         for (int64_t c = 0; c < cols; ++c) {
           const float v = sums[c] * sp[c0 + c];
-          op[r * n + c0 + c] = bp ? v + bp[c0 + c] : v;
+          op[r * n + c0 + c] = activate(bp ? v + bp[c0 + c] : v, act);
         }
       }
     }
@@ -217,7 +221,9 @@ int64_t q8_lanes() {
 
 TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
   m.def("q8_lanes() -> int", &q8_lanes);
-  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int n) -> Tensor");
+  m.def(
+      "q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int n, int activation=0) "
+      "-> Tensor");
   m.impl("q8_matmul", c10::DispatchKey::CPU, &q8_matmul);
   m.def("q8_dense(Tensor codes, int n) -> Tensor");
   m.impl("q8_dense", c10::DispatchKey::CPU, &q8_dense);

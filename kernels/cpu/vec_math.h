@@ -24,3 +24,16 @@ inline float fast_exp(float x) {
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
+
+// the activations a product can apply to its outputs (model/cpu/few_rows_linear.py's codes)
+enum Activation : int64_t { kNone = 0, kGeluTanh = 1, kRelu = 2 };
+
+// v through `act`: GELU's tanh form as 0.5 v (1 + tanh(u)) = v (1 - 1 / (1 + e^(2u)))
+inline float activate(float v, Activation act) {
+  if (act == kGeluTanh) {
+    const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
+    return v - v / (1.f + fast_exp(2.f * u));
+  }
+  if (act == kRelu) return v > 0.f ? v : 0.f;
+  return v;
+}

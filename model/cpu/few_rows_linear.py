@@ -26,10 +26,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.activations import KERNEL_CODES
+
 LAYER_FEW_ROWS = 8  # a layer's matrices: the tiles win for 1-8 rows (AVX-512 and AVX2)
 HEAD_FEW_ROWS = 2  # the vocabulary head: for 1-2 rows
 TILE = 32  # output columns a tile holds (kTile in f32_matmul.cpp)
-ACTIVATIONS = {"none": 0, "gelu_tanh": 1, "relu": 2}  # the kernel's activation codes
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ class FewRowsLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.many, self.few_rows, self.op = many, few_rows, ops.f32_matmul
-        self.activation = ACTIVATIONS[activation]
+        self.activation = KERNEL_CODES[activation]
         self.tiles = nn.Parameter(pack_tiles(linear.weight.detach()), requires_grad=False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)

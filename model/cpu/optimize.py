@@ -11,7 +11,8 @@ faster while the weights' reading bounds the product; a sequence's logits then a
 in a batch to rounding, and to the bit with `batch_invariant` (oneDNN's products alone compute a
 row alike whatever the row count: docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
 (`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
-only `nn.Linear` modules are swapped. A gated (SwiGLU) feed-forward block keeps its own forward,
+only `nn.Linear` modules are swapped, except that an int8 feed-forward block whose first product
+is compiled (`Int8Linear` in tiles) has that product apply the activation too. A gated (SwiGLU) feed-forward block keeps its own forward,
 unless the compiled CPU kernels are built (`kernels.cpu.native`): then a float32 Llama-family
 layer's norms and SwiGLU are one call each, written in the next product's dtype
 (`model.cpu.fused_rows`).
@@ -42,8 +43,7 @@ from model.cpu.packed_linear import (
     with_few_rows,
 )
 from model.gpt import GPT, MLP
-
-WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, FusedRMSNorm, FewRowsLinear)
+from model.quantize import Int8Linear
 
 
 class FusedMLP(nn.Module):
@@ -52,6 +52,10 @@ class FusedMLP(nn.Module):
     def __init__(self, mlp: MLP, threads: int, tiles_ops: Any | None = None) -> None:
         super().__init__()
         activation = "relu" if mlp.relu else "gelu_tanh"
+        if isinstance(mlp.c_fc, Int8Linear):  # quantized: its compiled product applies it
+            mlp.c_fc.activation = activation
+            self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
+            return
         many = OneDnnLinear(mlp.c_fc, activation=activation)
         self.c_fc = with_few_rows(mlp.c_fc, many, tiles_ops, LAYER_FEW_ROWS, activation)
         self.c_proj = pack_linear(mlp.c_proj, threads, tiles_ops)
@@ -59,6 +63,9 @@ class FusedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         modules = self._modules  # dict reads and `forward`: see model.gpt._submodules
         return modules["c_proj"].forward(modules["c_fc"].forward(x))
+
+
+WING_MODULES = (OneDnnLinear, PackedLinear, PackedEmbedding, FusedRMSNorm, FewRowsLinear, FusedMLP)
 
 
 def is_optimized_for_cpu(model: nn.Module) -> bool:
@@ -88,8 +95,12 @@ def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bo
     for block in model.transformer.h:
         c_fc = block.mlp.c_fc
         gated = getattr(block.mlp, "gated", False)  # SwiGLU: no fused activation for it
-        if isinstance(c_fc, nn.Linear) and not gated and OneDnnLinear.supports(c_fc.weight.dtype):
+        if gated:
+            continue
+        if isinstance(c_fc, nn.Linear) and OneDnnLinear.supports(c_fc.weight.dtype):
             block.mlp = FusedMLP(block.mlp, threads, tiles_ops)
+        elif isinstance(c_fc, Int8Linear) and c_fc.q8 is not None:
+            block.mlp = FusedMLP(block.mlp, threads)
     pack_linears(model, threads, tiles_ops)
     if ops is not None:
         install_fused_rows(model, ops)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
-from model.cpu.few_rows_linear import ACTIVATIONS, pack_tiles
+from model.activations import KERNEL_CODES
+from model.cpu.few_rows_linear import pack_tiles
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
 
@@ -27,7 +28,7 @@ def _reference(x, weight, bias, activation: str) -> torch.Tensor:
     return F.relu(y) if activation == "relu" else y
 
 
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("activation", list(KERNEL_CODES))
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 13])
 @pytest.mark.parametrize("out, width", [(96, 128), (40, 64), (232, 300), (7, 1)])
@@ -37,7 +38,7 @@ def test_multiplies_adds_the_bias_and_applies_the_activation(out, width, rows, w
     weight = torch.randn(out, width, generator=gen)
     bias = torch.randn(out, generator=gen) if with_bias else None
     x = torch.randn(rows, width, generator=gen)
-    got = _op()(x, pack_tiles(weight), bias, out, ACTIVATIONS[activation])
+    got = _op()(x, pack_tiles(weight), bias, out, KERNEL_CODES[activation])
     want = _reference(x, weight, bias, activation)
     assert got.shape == (rows, out) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from kernels.cpu import native
+from model.activations import KERNEL_CODES, activate
 from model.quantize import Int8Linear, pack_q8_tiles, q8_ops, quantize_rows
 
 OPS = q8_ops(32, torch.device("cpu")) if native.enabled() else None
@@ -46,6 +47,20 @@ def test_multiplies_the_quantized_rows_by_the_int8_matrix(out, width, rows, with
     want = _reference(x, q, scales, bias)
     assert got.shape == (rows, out) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_the_activation_is_applied_after_the_bias(activation, with_bias):
+    gen = torch.Generator().manual_seed(7)
+    q, scales = quantize_rows(torch.randn(72, 96, generator=gen))
+    bias = torch.randn(72, generator=gen) if with_bias else None
+    x = torch.randn(5, 96, generator=gen)
+    got = OPS.q8_matmul(x, pack_q8_tiles(q), scales, bias, 72, KERNEL_CODES[activation])
+    want = activate(_reference(x, q, scales, bias), activation)
+    assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+    with pytest.raises(RuntimeError, match="activation must be"):
+        OPS.q8_matmul(x, pack_q8_tiles(q), scales, bias, 72, 3)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 70])

@@ -10,6 +10,7 @@ from model.cpu import is_optimized_for_cpu, optimize_for_cpu
 from model.cpu.few_rows_linear import FewRowsLinear
 from model.cpu.onednn_linear import OneDnnLinear
 from model.cpu.optimize import FusedMLP
+from model.quantize import quantize
 
 
 @pytest.mark.parametrize("tie, activation", [(True, "gelu"), (False, "gelu"), (True, "relu")])
@@ -50,6 +51,29 @@ def test_optimized_gpt_gives_the_same_logits_and_stores_a_tied_table_once(tie, a
     extra = sum(p.numel() for p in model.parameters()) - n_params - tiles
     head_copy = head_weight.numel() if tie and OneDnnLinear.supports(torch.float32) else 0
     assert head_copy <= extra < head_copy + 2 * 32
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_an_int8_feed_forward_block_takes_its_activation_in_the_product(activation):
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=101,
+                      activation=activation)  # fmt: skip
+    model = quantize(GPT(cfg).eval(), "int8")
+    idx = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        before = model(idx)
+        optimize_for_cpu(model, threads=2)
+        after = model(idx)
+    compiled = model.transformer.h[0].mlp.c_fc.q8 is not None  # in tiles: the compiled product
+    assert all(isinstance(b.mlp, FusedMLP) == compiled for b in model.transformer.h)
+    if compiled:
+        name = "gelu_tanh" if activation == "gelu" else "relu"
+        assert all(b.mlp.c_fc.activation == name for b in model.transformer.h)
+        assert is_optimized_for_cpu(model)
+        layout = [type(m) for m in model.modules()]
+        optimize_for_cpu(model, threads=2)  # a second call changes nothing
+        assert [type(m) for m in model.modules()] == layout
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
 def test_the_optimized_float32_head_gives_a_row_the_same_logits_alone_and_in_a_batch():
