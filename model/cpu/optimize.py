@@ -43,7 +43,6 @@ from model.cpu.packed_linear import (
     with_few_rows,
 )
 from model.gpt import GPT, MLP
-from model.quantize import Int8Linear
 
 
 class FusedMLP(nn.Module):
@@ -52,7 +51,7 @@ class FusedMLP(nn.Module):
     def __init__(self, mlp: MLP, threads: int, tiles_ops: Any | None = None) -> None:
         super().__init__()
         activation = "relu" if mlp.relu else "gelu_tanh"
-        if isinstance(mlp.c_fc, Int8Linear):  # quantized: its compiled product applies it
+        if not isinstance(mlp.c_fc, nn.Linear):  # an Int8Linear: its compiled product applies it
             mlp.c_fc.activation = activation
             self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj
             return
@@ -83,6 +82,8 @@ def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bo
     """
     if next(model.parameters()).device.type != "cpu" or is_optimized_for_cpu(model):
         return model
+    from model.quantize import Int8Linear  # here: model.quantize imports this package
+
     model.eval().requires_grad_(False)
     threads = threads or torch.get_num_threads()
     ops = native_ops()

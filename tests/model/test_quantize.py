@@ -263,3 +263,11 @@ def test_without_native_bfloat16_products_int8_keeps_its_kernel():
     layer = Int8Linear(nn.Linear(32, 16))
     switch = MANY_ROWS if layer.q8 is None else TILED_MANY_ROWS  # PyTorch's kernel or tiles
     assert layer.many_rows == (switch if fast_bfloat16_products() else None)
+
+
+@pytest.mark.parametrize("first", ["model.quantize", "model.cpu", "model.gguf_quantized"])
+def test_each_module_imports_first_in_a_fresh_process(first):
+    # model.quantize and model.cpu import each other's names: either may be imported first
+    done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
