@@ -26,7 +26,9 @@
    against the tiles that the engine reads for a few rows (`model.cpu.few_rows_linear`).
 7. `--parts q8`: GPT-2's int8 matrices by 1 to 512 rows, PyTorch's int8 kernel against the
    tiles of 8-bit products (`model.quantize.Int8Linear`, kernels/cpu/q8_matmul.cpp).
-8. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
+8. `--parts layer`: the Engine's float32 decode step with 1 and 4 sequences, each GPT-2 layer
+   through its Python path against one compiled call (`model.cpu.decode_layer`).
+9. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
    7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
    the prefill, also the whole model step and the score product (MKL against oneDNN).
 
@@ -532,6 +534,50 @@ def q8_rows() -> list[Row]:
     return rows
 
 
+@torch.no_grad()
+def layer_rows() -> list[Row]:
+    """Median decode step of the Engine (GPT-2 124M float32, 1 and 4 sequences) with each
+    layer's step through its Python path against one `decode_layer` call
+    (`model.cpu.decode_layer`), the two switched every 10 steps of one engine."""
+    import engine.engine as engine_module
+    from engine.sampler import SamplingParams
+    from model import get_tokenizer
+    from model.cpu.decode_layer import FusedDecodeBlock
+    from model.gpt import Block
+
+    torch.manual_seed(0)
+    model = optimize_for_cpu(GPT(ModelConfig()).eval())
+    if not any(isinstance(b, FusedDecodeBlock) for b in model.transformer.h):
+        print("layer: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
+        return []
+    fused = FusedDecodeBlock.forward_cached
+    rows = []
+    for seqs in (1, 4):
+        eng = engine_module.Engine(
+            model, get_tokenizer(), engine_module.EngineConfig(max_num_seqs=seqs, num_blocks=96)
+        )
+        gen = torch.Generator().manual_seed(seqs)
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        for i in range(seqs):
+            eng.add_request(str(i), torch.randint(0, 50257, (64,), generator=gen).tolist(), params)
+        for _ in range(5):
+            eng.step()
+        times: tuple[list[float], list[float]] = ([], [])
+        try:
+            for _ in range(12):
+                for forward, out in zip((Block.forward_cached, fused), times):
+                    FusedDecodeBlock.forward_cached = forward
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        eng.step()
+                    out.append(100 * (time.perf_counter() - t0))  # ms a step
+        finally:
+            FusedDecodeBlock.forward_cached = fused
+        rows.append((f"engine decode step, {seqs} float32 seq(s)", "Python -> decode_layer",
+                     statistics.median(times[0]), statistics.median(times[1])))  # fmt: skip
+    return rows
+
+
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
@@ -543,6 +589,7 @@ PARTS = {
     "int4": int4_rows,
     "f32": f32_rows,
     "q8": q8_rows,
+    "layer": layer_rows,
 }
 
 

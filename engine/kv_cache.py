@@ -309,6 +309,12 @@ class KVCache:
             qkv, cos, sin, *self._layers[layer], plan, n_head, out_dtype
         )
 
+    def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...] | None:
+        """One layer's pools and this step's slots, tables and context lengths, as the compiled
+        one-call decode takes them (`model.cpu.decode_layer`); None where the backend has no such
+        path for this step."""
+        return self.backend.one_call_step(*self._layers[layer], plan)
+
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys/values (N, H_kv, D) at the step's slots
         (`meta.slot_mapping`)."""

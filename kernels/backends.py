@@ -122,6 +122,14 @@ class AttentionBackend(ABC, Generic[PlanT]):
         the caller takes `forward`."""
         return None
 
+    def one_call_step(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: PlanT
+    ) -> tuple[torch.Tensor, ...] | None:
+        """What the compiled one-call decode of a layer takes besides q/k/v (the pools, the
+        slots' blocks and offsets, the tables and context lengths), where this step suits it;
+        None (the default) elsewhere."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -248,19 +256,27 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         """The compiled `paged_decode_qkv`, for a step of decodes only over float32 pools with
         float32 rotary or none (as `forward` computes them, to the bit in the attention's
         inputs)."""
-        if plan.rest is not None or plan.decodes is None or plan.decode is not None:
-            return None  # not a step of decodes only that the plan gave the compiled kernel
-        if k_pool.dtype != torch.float32 or (cos is not None and cos.dtype != torch.float32):
+        step = self.one_call_step(k_pool, v_pool, plan)
+        if step is None or (cos is not None and cos.dtype != torch.float32):
             return None
-        meta, n = plan.decodes, qkv.shape[0]
-        scale = k_pool.shape[-1] ** -0.5
+        n, scale = qkv.shape[0], k_pool.shape[-1] ** -0.5
         if cos is not None:
             cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, D)
         return native_ops().paged_decode_qkv(
-            qkv, cos, sin, k_pool, v_pool, plan.write.block,
-            plan.write.offset, meta.block_tables, meta.context_lens, n_head, scale,
-            out_dtype or torch.float32,
-        )  # fmt: skip
+            qkv, cos, sin, *step, n_head, scale, out_dtype or torch.float32
+        )
+
+    def one_call_step(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan
+    ) -> tuple[torch.Tensor, ...] | None:
+        """A step of decodes only that the plan gave the compiled kernel, over float32 pools."""
+        if plan.rest is not None or plan.decodes is None or plan.decode is not None:
+            return None
+        if k_pool.dtype != torch.float32:
+            return None
+        meta = plan.decodes
+        return (k_pool, v_pool, plan.write.block, plan.write.offset, meta.block_tables,
+                meta.context_lens)  # fmt: skip
 
     def attend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan,

@@ -53,6 +53,7 @@ SOURCES = [
         "f32_matmul.cpp",
         "q8_matmul.cpp",
         "logit_stats.cpp",
+        "decode_layer.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h")]

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from kernels.cpu.native import native_ops
+from model.cpu.decode_layer import install_decode_layers
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear, compiled_tiles
 from model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
 from model.cpu.onednn_linear import OneDnnLinear
@@ -105,4 +106,6 @@ def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bo
     pack_linears(model, threads, tiles_ops)
     if ops is not None:
         install_fused_rows(model, ops)
+    if tiles_ops is not None:
+        install_decode_layers(model, tiles_ops)
     return model

@@ -1,0 +1,84 @@
+// A whole GPT-2 layer of a CPU decode step of a few rows in one call: pre-norm LayerNorms, the
+// four products from float32 tiles (f32_matmul.cpp), the one-call attention over the paged
+// cache (paged_decode.cpp) and both residual adds. Each piece is the very kernel the Python
+// path calls (ATen's layer_norm and add, the gptserve_cpu operators through the dispatcher), in
+// the same order, so the result is that path's to the bit; what goes is the Python between them
+// (model.cpu.decode_layer, where this is installed, has the measurements).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/layer_norm.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <optional>
+
+namespace {
+
+using Bias = std::optional<at::Tensor>;
+
+at::Tensor tiled_product(const at::Tensor& x, const at::Tensor& tiles, const Bias& bias,
+                         int64_t n, int64_t activation) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("gptserve_cpu::f32_matmul", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Bias&, int64_t, int64_t)>();
+  return op.call(x, tiles, bias, n, activation);
+}
+
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& write_block, const at::Tensor& write_offset,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_head,
+                  double scale) {
+  using Signature = at::Tensor(const at::Tensor&, const Bias&, const Bias&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, int64_t, double,
+                               at::ScalarType);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gptserve_cpu::paged_decode_qkv", "")
+                             .typed<Signature>();
+  return op.call(qkv, std::nullopt, std::nullopt, k_pool, v_pool, write_block, write_offset,
+                 block_tables, context_lens, n_head, scale, at::kFloat);
+}
+
+// x (N, C) float32, one new token per decoding sequence. norms: ln_1's weight and bias, then
+// ln_2's; tiles, biases and widths (their outputs): c_attn, attn's c_proj, c_fc (through
+// `activation`), mlp's c_proj (f32_matmul's tiles, float32 biases or none). The pools and step
+// tensors are paged_decode_qkv's. Returns x after the layer, (N, C).
+at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList tiles,
+                        const c10::List<std::optional<at::Tensor>>& biases,
+                        at::IntArrayRef widths, const at::Tensor& k_pool,
+                        const at::Tensor& v_pool, const at::Tensor& write_block,
+                        const at::Tensor& write_offset, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t n_head, double eps,
+                        int64_t activation) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be (N, C) float32 on the CPU");
+  TORCH_CHECK(norms.size() == 4 && tiles.size() == 4 && biases.size() == 4 && widths.size() == 4,
+              "norms, tiles, biases and widths come four each");
+  const int64_t n = x.size(0), width = x.size(1), dim = k_pool.size(-1);
+  TORCH_CHECK(n_head > 0 && n_head * dim == width && widths[0] == 3 * width &&
+                  widths[1] == width && widths[3] == width,
+              "a GPT-2 layer: C = n_head * the pools' head size, c_attn's 3 C outputs");
+  const std::array<int64_t, 1> shape{width};  // LayerNorm over the last dimension
+  at::Tensor h = at::layer_norm(x, shape, norms[0], norms[1], eps);
+  at::Tensor qkv = tiled_product(h, tiles[0], biases.get(0), widths[0], 0);
+  at::Tensor y = attend(qkv, k_pool, v_pool, write_block, write_offset, block_tables,
+                        context_lens, n_head, std::pow(static_cast<double>(dim), -0.5));
+  at::Tensor out = at::add(x, tiled_product(y.view({n, width}), tiles[1], biases.get(1), width, 0));
+  h = at::layer_norm(out, shape, norms[2], norms[3], eps);
+  h = tiled_product(h, tiles[2], biases.get(2), widths[2], activation);
+  return at::add(out, tiled_product(h, tiles[3], biases.get(3), width, 0));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
+  m.def(
+      "decode_layer(Tensor x, Tensor[] norms, Tensor[] tiles, Tensor?[] biases, int[] widths, "
+      "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_block, Tensor write_offset, "
+      "Tensor block_tables, Tensor context_lens, int n_head, float eps, int activation) "
+      "-> Tensor");
+  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+}

@@ -1,0 +1,82 @@
+"""A GPT-2 layer whose decode step of a few float32 rows is one compiled call.
+
+After `optimize_for_cpu` a GPT-2 layer's decode step is ten PyTorch operations and its four
+products, each reached through a few Python calls: on the development box about 2-3 ms of a
+14 ms single-stream step of GPT-2 124M went to Python and dispatch, where llama.cpp's step is
+its weights' reading and little else. `decode_layer` (kernels/cpu/decode_layer.cpp) calls the
+same kernels in the same order from C++ (ATen's LayerNorm and add, `f32_matmul` on the tiles,
+`paged_decode_qkv`), so a layer's output is the Python path's to the bit; any step it does not
+suit (more than `LAYER_FEW_ROWS` rows, a prefill, a cache without the one-call decode) takes the
+block's own forward. `python bench/cpu_parts.py --parts layer` compares the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
+from model.gpt import MLP, Block, Rope
+
+__all__ = ["FusedDecodeBlock", "install_decode_layers"]
+
+
+class FusedDecodeBlock(Block):
+    """`block` (the same children and forward) whose cached forward of up to `LAYER_FEW_ROWS`
+    decoding rows is one `decode_layer` call."""
+
+    def __init__(self, block: Block, op: Any) -> None:
+        nn.Module.__init__(self)
+        self.pre_norm = block.pre_norm
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        attn, mlp = block.attn, block.mlp
+        products = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+        self.op, self.n_head = op, attn.n_head
+        self.eps = block.ln_1.eps
+        self.activation = mlp.c_fc.activation  # the kernel's code, as FewRowsLinear holds it
+        self.norms = [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias]
+        self.tiles = [p.tiles for p in products]
+        self.biases = [p.bias for p in products]
+        self.widths = [p.out_features for p in products]
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: Any, layer: int, plan: Any, rope: Rope = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if x.shape[0] <= LAYER_FEW_ROWS and rope is None:
+            step = getattr(cache, "one_call_step", None)
+            step = None if step is None else step(layer, plan)
+            if step is not None:
+                return self.op(x, self.norms, self.tiles, self.biases, self.widths, *step,
+                               self.n_head, self.eps, self.activation)  # fmt: skip
+        return super().forward_cached(x, cache, layer, plan, rope)
+
+
+def fits(block: nn.Module) -> bool:
+    """Whether `block` is a float32 pre-norm GPT-2 layer whose four products read tiles."""
+    if type(block) is not Block or not block.pre_norm:
+        return False
+    norms = (block.ln_1, block.ln_2)
+    if not all(type(n) is nn.LayerNorm and n.weight.dtype == torch.float32 for n in norms):
+        return False
+    if any(n.bias is None or n.eps != block.ln_1.eps for n in norms):
+        return False
+    attn, mlp = block.attn, block.mlp
+    if attn.qk_norm or attn.n_kv_head != attn.n_head or isinstance(mlp, MLP):
+        return False  # a plain MLP applies its activation itself: c_fc's product must (FusedMLP)
+    products = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+    return all(type(p) is FewRowsLinear for p in products)
+
+
+def install_decode_layers(model: nn.Module, ops: Any) -> int:
+    """Make each layer of `model` that `fits` a `FusedDecodeBlock` over `ops` (the compiled
+    kernels), in place; returns how many."""
+    layers = model.transformer.h
+    changed = 0
+    for i, block in enumerate(layers):
+        if fits(block):
+            layers[i] = FusedDecodeBlock(block, ops.decode_layer)
+            changed += 1
+    return changed

@@ -1,0 +1,83 @@
+"""A GPT-2 layer's decode step as one compiled call (`model.cpu.decode_layer`): installed where a
+layer fits, the Engine's tokens and logprobs the Python path's to the bit, and every step it does
+not suit left to that path."""
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.sampler import SamplingParams
+from kernels.cpu import native
+from model import GPT, get_tokenizer
+from model.config import ModelConfig
+from model.cpu import optimize_for_cpu
+from model.cpu.decode_layer import FusedDecodeBlock
+from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
+from model.gpt import Block
+
+OPS = native.native_ops() if native.enabled() else None
+pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled float32 tiles")
+
+
+def _model(activation: str = "gelu", dtype: torch.dtype = torch.float32) -> GPT:
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=50257,
+                      activation=activation)  # fmt: skip
+    return optimize_for_cpu(GPT(cfg).to(dtype).eval(), threads=2)
+
+
+def _decode(model: GPT, n_seq: int) -> tuple[dict, dict]:
+    """Greedy tokens and logprobs of `n_seq` requests decoded together, request i 4 + i
+    tokens."""
+    engine = Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=n_seq))
+    gen = torch.Generator().manual_seed(n_seq)
+    for i in range(n_seq):  # lengths apart: a step of many decodes ends in steps of fewer
+        params = SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True, logprobs=1)
+        engine.add_request(str(i), torch.randint(0, 50257, (5 + 3 * i,), generator=gen).tolist(),
+                           params)  # fmt: skip
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    while engine.has_work():
+        for ev in engine.step():
+            assert ev.error is None
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize("n_seq", [1, 3, LAYER_FEW_ROWS + 2])  # the last: some steps too many
+def test_the_engine_decodes_the_python_paths_bits(monkeypatch, activation, n_seq):
+    model = _model(activation)
+    assert all(type(b) is FusedDecodeBlock for b in model.transformer.h)
+    calls = []
+    op = model.transformer.h[0].op
+    for block in model.transformer.h:
+        block.op = lambda *args, _op=op: calls.append(args[0].shape[0]) or _op(*args)
+    fused = _decode(model, n_seq)
+    assert calls and max(calls) <= LAYER_FEW_ROWS  # it ran, and only for steps of few rows
+    monkeypatch.setattr(FusedDecodeBlock, "forward_cached", Block.forward_cached)
+    assert _decode(model, n_seq) == fused  # tokens and logprobs, exactly
+
+
+def test_layers_that_do_not_fit_keep_their_block():
+    model = _model(dtype=torch.bfloat16)  # no float32 tiles
+    assert all(type(b) is Block for b in model.transformer.h)
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=4, n_embd=64, block_size=32, vocab_size=101, bias=False)
+    model = optimize_for_cpu(GPT(cfg).eval(), threads=2)  # LayerNorms without a bias
+    assert all(type(b) is Block for b in model.transformer.h)
+
+
+def test_the_op_refuses_a_layer_of_another_shape():
+    block = _model().transformer.h[0]
+    x = torch.randn(1, 64)
+    pools = torch.zeros(2, 16, 4, 8)
+    step = (pools, pools.clone(), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(RuntimeError, match="a GPT-2 layer"):  # heads of 8, not 64 / 4
+        block.op(x, block.norms, block.tiles, block.biases, block.widths, *step, block.n_head,
+                 block.eps, block.activation)  # fmt: skip
+    with pytest.raises(RuntimeError, match="four each"):
+        block.op(x, block.norms[:2], block.tiles, block.biases, block.widths, *step,
+                 block.n_head, block.eps, block.activation)  # fmt: skip
