@@ -1,13 +1,14 @@
 """A GPT-2 layer whose decode step of a few float32 rows is one compiled call.
 
-After `optimize_for_cpu` a GPT-2 layer's decode step is ten PyTorch operations and its four
-products, each reached through a few Python calls: on the development box about 2-3 ms of a
-14 ms single-stream step of GPT-2 124M went to Python and dispatch, where llama.cpp's step is
-its weights' reading and little else. `decode_layer` (kernels/cpu/decode_layer.cpp) calls the
+After `optimize_for_cpu` a GPT-2 layer's decode step is a few PyTorch operations and the
+compiled products and attention, each reached through a few Python calls; a single-stream step
+of GPT-2 124M is bound by reading its weights, and llama.cpp's is that reading and little else.
+`decode_layer` (kernels/cpu/decode_layer.cpp) calls the
 same kernels in the same order from C++ (ATen's LayerNorm and add, `f32_matmul` on the tiles,
 `paged_decode_qkv`), so a layer's output is the Python path's to the bit; any step it does not
 suit (more than `LAYER_FEW_ROWS` rows, a prefill, a cache without the one-call decode) takes the
-block's own forward. `python bench/cpu_parts.py --parts layer` compares the two.
+block's own forward. `python bench/cpu_parts.py --parts layer` compares the two: on the
+development box 1.02-1.04x for a single stream's step (about 0.6 ms of 16.5), even for 4.
 """
 
 from __future__ import annotations
