@@ -4,10 +4,12 @@
 // kernels/backends.py calls it as torch.ops.gptserve_cpu.paged_decode.
 //
 // Pools are one layer's (num_blocks, block_size, H_kv, D) views with the last dimension
-// contiguous (head-major in memory: each (block, head) a (block_size, D) tile). Every
-// (sequence, KV head) is a task of its own: its G query heads score every key of the sequence in
-// table order, take one softmax each and sum the values, all in float32, so a sequence's result
-// does not depend on the rest of the batch or on where its blocks lie, to the bit.
+// contiguous (head-major in memory: each (block, head) a (block_size, D) tile). A task is a
+// sequence's run of KV heads (all of them when the sequences alone keep the threads busy); each
+// KV head's G query heads score every key of the sequence in table order, take one softmax each
+// and sum the values, all in float32, the same arithmetic whatever the run, so a sequence's
+// result does not depend on the rest of the batch, the threads or where its blocks lie, to the
+// bit.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -278,7 +280,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
           if (tiled) {
             for (int64_t r = 0; r < heads; ++r) {
               const int64_t h = h0 + r / group;
-              if (next != nullptr && r % group == 0) prefetch_rows(next, next_n, vs, h, h + 1, vh, dim);
+              if (next != nullptr && r % group == 0) {
+                prefetch_rows(next, next_n, vs, h, h + 1, vh, dim);
+              }
               tile_values(&scores[r * ctx + start], block + h * vh, n, vs, dim, &acc[r * dim]);
             }
             continue;

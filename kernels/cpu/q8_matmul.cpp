@@ -1,7 +1,8 @@
 // Int8 products with 8-bit rows: x (M, K) float32, quantized here per block of 32 inputs to int8
 // with a float32 scale (amax / 127, the value rounded to nearest, halves away from zero), times an
 // int8 matrix with one scale per output column, an optional bias and an optional activation
-// (GELU's tanh form or ReLU, vec_math.h): y = act(scale * sum_blocks(d_block * sum_k(w * xq)) + bias), in float32.
+// (GELU's tanh form or ReLU, vec_math.h):
+// y = act(scale * sum_blocks(d_block * sum_k(w * xq)) + bias), in float32.
 //
 // The matrix lies in tiles of 32 output columns (model/quantize.py packs it): a tile is (K / 4,
 // 32, 4) bytes, each column's 4 weights for 4 consecutive inputs side by side, so that a vector
