@@ -140,7 +140,8 @@ class SamplingParams:
 
 @dataclass
 class SampleOutput:
-    """Per row: chosen token, its logprob, and top-N alternatives (padded to the batch's max N)."""
+    """Per row: chosen token, its logprob (NaN where no row of the batch reports logprobs: not
+    computed), and top-N alternatives (padded to the batch's max N)."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -260,7 +261,9 @@ def sample(
     if allowed is not None:
         logits = logits.float().masked_fill(~allowed.to(device, non_blocking=True), float("-inf"))
     logits = apply_penalties(logits.float(), rows)  # a copy only if a row changes it
-    tokens, lse = _argmax_and_logsumexp(logits)  # (B,) each; greedy choices, replaced below
+    # no row reports a logprob: the greedy choices alone (no exp pass over the vocabulary)
+    reported = any(r.params.logprobs is not None for r in rows)
+    tokens, lse = _argmax_and_logsumexp(logits, reported)  # (B,) each; greedy, replaced below
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         idx = torch.tensor(sampled, device=device)
@@ -276,6 +279,9 @@ def sample(
             draw = torch.empty(probs.shape[1]).uniform_(generator=rows[sampled[j]].generator)
             noise[j] = draw.to(device, non_blocking=True)
         tokens[idx] = (probs / noise.log_().neg_()).argmax(dim=-1)
+    if lse is None:
+        nobody = [[] for _ in rows]
+        return SampleOutput(tokens.tolist(), [math.nan] * len(rows), nobody, nobody)
     chosen = logits.gather(1, tokens[:, None])[:, 0] - lse  # (B,) log-probabilities
     n_top = max((r.params.logprobs or 0) for r in rows)
     if n_top:
@@ -290,8 +296,11 @@ def sample(
     return SampleOutput(tokens, chosen, top_ids, top_lp)
 
 
-def _argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) float logits -> each row's first largest index (B,) and log-sum-exp (B,).
+def _argmax_and_logsumexp(
+    logits: torch.Tensor, with_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, V) float logits -> each row's first largest index (B,) and log-sum-exp (B,), or
+    None for the latter without `with_lse`.
 
     On a CPU one compiled pass a row where the kernels build (kernels/cpu/logit_stats.cpp);
     elsewhere a log_softmax, which on a CPU is faster than logsumexp (32 rows of GPT-2's
@@ -300,8 +309,11 @@ def _argmax_and_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         stats = logit_stats_op()
         if stats is not None:
-            return stats(logits if logits.stride(-1) == 1 else logits.contiguous())
+            top, lse = stats(logits if logits.stride(-1) == 1 else logits.contiguous(), with_lse)
+            return top, lse if with_lse else None
     top = logits.argmax(dim=-1)  # (B,)
+    if not with_lse:
+        return top, None
     lse = (
         logits.gather(1, top[:, None])[:, 0]
         - torch.log_softmax(logits, dim=-1).gather(1, top[:, None])[:, 0]

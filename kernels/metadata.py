@@ -120,15 +120,18 @@ class AttentionMetadata:
         starts = torch.tensor(offsets, dtype=torch.int32)
         n_tokens, batch = offsets[-1], len(tables)
         if n_tokens == batch:  # a decode step: one new token per sequence, the context's last
-            seq = torch.arange(batch)  # (N,) the sequence of each new token
-            positions = (ctx - 1).long()
+            last = [n - 1 for n in context_lens]  # in Python: two tensors, not nine operations
+            positions = torch.tensor(last)  # (N,)
+            slots = torch.tensor(
+                [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, last)]
+            )  # (N,)
         else:
             n_new = torch.tensor(query_lens)  # (B,)
             seq = torch.repeat_interleave(torch.arange(batch), n_new, output_size=n_tokens)
             first = (ctx - n_new - starts[:-1]).long()  # (B,) a sequence's position at row 0
             positions = first[seq] + torch.arange(n_tokens)  # (N,)
-        blocks = padded[seq, positions // block_size].long()  # (N,) pool block of each token
-        slots = blocks * block_size + positions % block_size  # (N,)
+            blocks = padded[seq, positions // block_size].long()  # (N,) pool block of each token
+            slots = blocks * block_size + positions % block_size  # (N,)
 
         def put(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)

@@ -27,7 +27,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // logits (B, V) float32 with contiguous rows -> (argmax (B,) int64, logsumexp (B,) float32);
 // -inf logits (masked tokens) add nothing to the sum. Each row alone, in one fixed order.
-std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits) {
+// Without `with_lse` (no logprob is wanted) the exp pass is skipped and the second tensor
+// holds NaN.
+std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits, bool with_lse) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
                   logits.stride(1) == 1 && logits.device().is_cpu() && logits.size(1) > 0,
               "logits must be (B, V) float32 with contiguous rows on the CPU");
@@ -40,14 +42,19 @@ std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* __restrict__ x = src + r * stride;
+      // each lane's largest logit and the first index it is at (strict >: a tie keeps the
+      // earlier), so the argmax needs no second pass
       float lanes[kLanes];
-      int32_t nans[kLanes] = {0};
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = kNegInf;
+      int32_t where[kLanes], nans[kLanes] = {0};
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = kNegInf, where[l] = -1;
       int64_t i = 0;
       for (; i + kLanes <= width; i += kLanes)
         for (int64_t l = 0; l < kLanes; ++l) {
-          lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
-          nans[l] |= x[i + l] != x[i + l];
+          const float v = x[i + l];
+          const bool up = v > lanes[l];
+          lanes[l] = up ? v : lanes[l];
+          where[l] = up ? static_cast<int32_t>(i + l) : where[l];
+          nans[l] |= v != v;
         }
       float top = kNegInf;
       bool nan = false;
@@ -55,20 +62,27 @@ std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits) {
         top = lanes[l] > top ? lanes[l] : top;
         nan = nan || nans[l];
       }
-      for (; i < width; ++i) {
-        top = x[i] > top ? x[i] : top;
+      int64_t arg = -1;  // the first index of `top` among the lanes
+      for (int64_t l = 0; l < kLanes; ++l) {
+        if (lanes[l] == top && where[l] >= 0 && (arg < 0 || where[l] < arg)) arg = where[l];
+      }
+      for (; i < width; ++i) {  // the tail lies after every lane's elements
+        if (x[i] > top) top = x[i], arg = i;
         nan = nan || x[i] != x[i];
       }
       if (nan) {  // as torch.argmax and log_softmax: the first NaN wins, and nothing is a number
-        int64_t arg = 0;
+        arg = 0;
         while (!(x[arg] != x[arg])) ++arg;
         best_out[r] = arg;
         lse_out[r] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
-      int64_t arg = 0;
-      while (arg < width && !(x[arg] == top)) ++arg;  // the first largest, as torch.argmax
-      if (arg == width) arg = 0;  // every logit -inf
+      if (arg < 0) arg = 0;  // every logit -inf
+      if (!with_lse) {
+        best_out[r] = arg;
+        lse_out[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       float sums[kLanes] = {0.f};
       for (i = 0; i + kLanes <= width; i += kLanes)
         for (int64_t l = 0; l < kLanes; ++l) {
@@ -88,6 +102,6 @@ std::tuple<at::Tensor, at::Tensor> logit_stats(const at::Tensor& logits) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
-  m.def("logit_stats(Tensor logits) -> (Tensor, Tensor)");
+  m.def("logit_stats(Tensor logits, bool with_lse=True) -> (Tensor, Tensor)");
   m.impl("logit_stats", c10::DispatchKey::CPU, &logit_stats);
 }

@@ -31,9 +31,19 @@ LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 
 
 def test_greedy_picks_argmax():
-    out = sample(LOGITS[None], [_row(temperature=0)])
+    out = sample(LOGITS[None], [_row(temperature=0, logprobs=0)])
     assert out.tokens == [0]
     assert math.isclose(out.logprobs[0], math.log(0.5), rel_tol=1e-5)
+
+
+def test_a_batch_that_reports_no_logprob_computes_none_and_picks_the_same():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 5] = float("nan")
+    quiet = sample(logits, [_row(temperature=0) for _ in range(4)])
+    told = sample(logits, [_row(temperature=0, logprobs=0) for _ in range(4)])
+    assert quiet.tokens == told.tokens == logits.argmax(-1).tolist()
+    assert all(math.isnan(lp) for lp in quiet.logprobs) and quiet.top_ids == [[]] * 4
+    assert not math.isnan(told.logprobs[0])
 
 
 def test_top_k_limits_choices():
@@ -172,7 +182,7 @@ def test_sampling_leaves_the_callers_logits_as_they_were():
     logits = torch.randn(2, 10)
     before = logits.clone()
     rows = [_row(temperature=0.7, top_k=3, repetition_penalty=1.3, logit_bias={1: 5.0}),
-            _row(temperature=0, frequency_penalty=0.5)]  # fmt: skip
+            _row(temperature=0, frequency_penalty=0.5, logprobs=0)]  # fmt: skip
     rows[1].output_ids.extend([2, 2, 3])
     out = sample(logits, rows)
     assert torch.equal(logits, before)

@@ -56,3 +56,16 @@ def test_a_wholly_masked_row_gives_no_number():
     logits = torch.full((1, 8), float("-inf"))
     best, lse = native.logit_stats_op()(logits)
     assert best.item() == 0 and lse.item() == float("-inf")
+
+
+def test_without_the_log_sum_exp_the_argmax_is_the_same():
+    logits = torch.randn(6, 50257, generator=torch.Generator().manual_seed(3)) * 4
+    logits[1, ::3] = float("-inf")
+    logits[2] = logits[2].round()  # ties
+    logits[3, 77] = float("nan")
+    logits[4] = float("-inf")  # wholly masked
+    best, lse = native.logit_stats_op()(logits, False)
+    assert torch.equal(best, logits.argmax(-1)) and torch.equal(
+        best, native.logit_stats_op()(logits)[0]
+    )
+    assert lse.isnan().all()
