@@ -28,6 +28,8 @@
    tiles of 8-bit products (`model.quantize.Int8Linear`, kernels/cpu/q8_matmul.cpp).
 8. `--parts layer`: the Engine's float32 decode step with 1 and 4 sequences, each GPT-2 layer
    through its Python path against one compiled call (`model.cpu.decode_layer`).
+   `--parts sampler`: the sampler's pass over the vocabulary (kernels/cpu/logit_stats.cpp)
+   with the log-sum-exp a logprob needs against the argmax alone.
 9. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
    7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
    the prefill, also the whole model step and the score product (MKL against oneDNN).
@@ -578,6 +580,24 @@ def layer_rows() -> list[Row]:
     return rows
 
 
+def sampler_rows() -> list[Row]:
+    """The sampler's pass over GPT-2's vocabulary for 1 and 32 greedy rows: argmax and
+    log-sum-exp (a row reports logprobs) against the argmax alone (none does)."""
+    from engine.sampler import _argmax_and_logsumexp
+
+    rows = []
+    for n in (1, 32):
+        logits = torch.randn(n, 50257)
+
+        def stats(with_lse: bool, logits: torch.Tensor = logits):
+            return lambda: [_argmax_and_logsumexp(logits, with_lse) for _ in range(100)]
+
+        before, after = alternate(stats(True), stats(False))
+        rows.append((f"sampler pass, {n} row(s) x 50257", "with lse -> argmax only",
+                     before / 100, after / 100))  # fmt: skip
+    return rows
+
+
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
@@ -590,6 +610,7 @@ PARTS = {
     "f32": f32_rows,
     "q8": q8_rows,
     "layer": layer_rows,
+    "sampler": sampler_rows,
 }
 
 

@@ -9,7 +9,9 @@ requests of random prompt ids are prefilled, a few decode steps warm up, then `-
 steps are timed, then as many run under torch.profiler. The table gives each PyTorch operation's own time per step
 (`self`: its kernel, without the operations it calls) and its calls per step; the last rows say
 how much of the step the operations account for and what is left: Python, the dispatcher and the
-engine's bookkeeping between operations. A step made of many small operations is bound by that
+engine's bookkeeping between operations. A last line times the model's forward inside steps
+without the profiler: the rest of a step is the Engine's own work (scheduling, metadata,
+sampling, events). A step made of many small operations is bound by that
 rest, one made of a few large products by memory bandwidth.
 """
 
@@ -40,6 +42,27 @@ def decode_steps(engine: Engine, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def forward_share(engine: Engine, model, steps: int) -> tuple[float, float]:
+    """Seconds of `steps` engine steps and of the model's forward inside them (timed around
+    `forward_cached`): the difference is the Engine's own work, outside the forward."""
+    inside = [0.0]
+    forward = model.forward_cached
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - t0
+
+    model.forward_cached = timed
+    try:
+        total = decode_steps(engine, steps)
+    finally:
+        del model.forward_cached  # the class's method again
+    return total, inside[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="as `python -m server --model` (default: its)")
@@ -57,7 +80,7 @@ def main() -> None:
     path = resolve_model(args.model)
     loaded = load_for_inference(path, device="cpu", dtype=args.dtype, quantization=args.quantize)
     model = loaded.model
-    total = args.prompt_len + 2 * args.steps + 16
+    total = args.prompt_len + 3 * args.steps + 16
     config = EngineConfig(
         max_num_seqs=args.streams, kv_block_size=16, prefix_caching=False,
         num_blocks=args.streams * -(-total // 16) + 4,
@@ -67,12 +90,13 @@ def main() -> None:
     vocab = model.config.vocab_size
     for i in range(args.streams):
         prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
-        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 12, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 12, ignore_eos=True)
         engine.add_request(str(i), prompt, params)
     while engine.num_waiting:  # prefill every request
         engine.step()
     decode_steps(engine, 8)  # warm-up
     plain = decode_steps(engine, args.steps) / args.steps  # the step's time without the profiler
+    total, forward = forward_share(engine, model, args.steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         profiled = decode_steps(engine, args.steps) / args.steps
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]  # aten, mkldnn, ...
@@ -92,6 +116,9 @@ def main() -> None:
     rest = profiled - op_time
     print(f"{'all operations':40}{op_time * 1e3:9.3f}{op_time / profiled:7.1%}{calls:11.1f}")
     print(f"{'the rest (Python, dispatch, engine)':40}{rest * 1e3:9.3f}{rest / profiled:7.1%}")
+    own = (total - forward) / args.steps
+    print(f"\nwithout the profiler, the Engine's own work outside the model's forward: "
+          f"{own * 1e6:.0f} us a step of {total / args.steps * 1e3:.2f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -280,8 +280,8 @@ def sample(
             noise[j] = draw.to(device, non_blocking=True)
         tokens[idx] = (probs / noise.log_().neg_()).argmax(dim=-1)
     if lse is None:
-        nobody = [[] for _ in rows]
-        return SampleOutput(tokens.tolist(), [math.nan] * len(rows), nobody, nobody)
+        no_top = [[] for _ in rows], [[] for _ in rows]  # ids, logprobs
+        return SampleOutput(tokens.tolist(), [math.nan] * len(rows), *no_top)
     chosen = logits.gather(1, tokens[:, None])[:, 0] - lse  # (B,) log-probabilities
     n_top = max((r.params.logprobs or 0) for r in rows)
     if n_top:

@@ -180,8 +180,8 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.dtype = dtype  # of inputs, outputs and bias
         self.out_dtype: torch.dtype | None = None  # None: `dtype`
-        # applied to the outputs (a name of model.activations): set where a feed-forward block's first
-        # product takes its activation (model.cpu.optimize.FusedMLP), "none" otherwise
+        # applied to the outputs (a name of model.activations): set where a feed-forward
+        # block's first product takes its activation (model.cpu.optimize.FusedMLP)
         self.activation = "none"
         ops = None if tiled is False else q8_ops(self.in_features, q.device)
         if tiled and ops is None:

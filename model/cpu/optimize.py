@@ -12,10 +12,11 @@ in a batch to rounding, and to the bit with `batch_invariant` (oneDNN's products
 row alike whatever the row count: docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
 (`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
 only `nn.Linear` modules are swapped, except that an int8 feed-forward block whose first product
-is compiled (`Int8Linear` in tiles) has that product apply the activation too. A gated (SwiGLU) feed-forward block keeps its own forward,
-unless the compiled CPU kernels are built (`kernels.cpu.native`): then a float32 Llama-family
-layer's norms and SwiGLU are one call each, written in the next product's dtype
-(`model.cpu.fused_rows`).
+is compiled (`Int8Linear` in tiles) has that product apply the activation too. A gated (SwiGLU)
+feed-forward block keeps its own forward, unless the compiled CPU kernels are built
+(`kernels.cpu.native`): then a float32 Llama-family layer's norms and SwiGLU are one call each,
+written in the next product's dtype (`model.cpu.fused_rows`), and a float32 GPT-2 layer whose
+products read tiles takes a decode step of a few rows in one call (`model.cpu.decode_layer`).
 `python bench/cpu_parts.py` measures each part against what it replaces.
 
 The model computes the same function afterwards, but its parameters are no longer trainable

@@ -73,8 +73,9 @@ def test_the_op_refuses_a_layer_of_another_shape():
     block = _model().transformer.h[0]
     x = torch.randn(1, 64)
     pools = torch.zeros(2, 16, 4, 8)
-    step = (pools, pools.clone(), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))  # fmt: skip
+    slot = torch.zeros(1, dtype=torch.long)
+    step = (pools, pools.clone(), slot, slot.clone(), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32))  # fmt: skip
     with pytest.raises(RuntimeError, match="a GPT-2 layer"):  # heads of 8, not 64 / 4
         block.op(x, block.norms, block.tiles, block.biases, block.widths, *step, block.n_head,
                  block.eps, block.activation)  # fmt: skip
