@@ -4,6 +4,7 @@
     python bench/llamacpp.py --rounds 5 --stat median
     python bench/llamacpp.py --formats f32,q8_0 --threads 1
     python bench/llamacpp.py --gguf smollm2-135m-instruct --streams 16   # one real file
+    python bench/llamacpp.py --kv-cache-dtype float16   # gptserve's cache as llama.cpp's
 
 llama.cpp runs through `llama-cpp-python` (`pip install -e '.[bench]'`, which builds llama.cpp
 from source); without it the table holds gptserve's figures only.
@@ -25,8 +26,9 @@ n_threads and n_threads_batch), the same token ids, and produce as many tokens g
 - prompt 64 and prompt 512: tokens/s of a prompt's prefill and its first token.
 
 Every side starts from an empty cache each time (gptserve's prefix caching is off, llama.cpp's
-memory is cleared). llama.cpp keeps its defaults otherwise (f16 KV cache, flash attention
-"auto", 512-token batches, the CPU backend's weight repacking). Each round runs every
+memory is cleared). gptserve's KV cache has the model's dtype unless `--kv-cache-dtype` says
+otherwise (`float16`: the cache llama.cpp keeps). llama.cpp keeps its defaults otherwise (f16
+KV cache, flash attention "auto", 512-token batches, the CPU backend's weight repacking). Each round runs every
 measurement on both sides back to back, which side goes first alternating between rounds; the
 table keeps each side's best (or median) and the ratio gptserve / llama.cpp (above 1: gptserve
 is faster), in tokens per second and per CPU-second of this process (all its threads), which
@@ -67,6 +69,7 @@ from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
 from bench.host import print_host  # noqa: E402
 from model import GPT, load_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from model.dtypes import DTYPES  # noqa: E402
 from model.known_models import FetchError, resolve_model  # noqa: E402
 
 INSTALL_HINT = "pip install -e '.[bench]' (llama-cpp-python builds llama.cpp from source)"
@@ -412,7 +415,7 @@ def random_gpt2_pairs(args, formats: list[str], tmp: str, blocks: int, threads: 
     pairs = []
     for fmt in formats:
         dtype, method, _ = PAIRS[fmt]
-        row = Row(fmt, dtype=dtype, quantize=method, config={"prefix_caching": False})
+        row = Row(fmt, dtype=dtype, quantize=method, config=engine_config(args))
         served = serve(row, tmp, "cpu", blocks)
         llama, size = None, 0
         if have_llama:
@@ -426,11 +429,16 @@ def random_gpt2_pairs(args, formats: list[str], tmp: str, blocks: int, threads: 
     return pairs
 
 
-def gguf_file_pair(path: Path, blocks: int, threads: int, llama_args: tuple[int, int, int],
-                   have_llama: bool) -> Pair:  # fmt: skip
+def engine_config(args: argparse.Namespace) -> dict:
+    """gptserve's EngineConfig fields: no prefix caching, the KV cache's dtype."""
+    return {"prefix_caching": False, "kv_cache_dtype": DTYPES.get(args.kv_cache_dtype)}
+
+
+def gguf_file_pair(args: argparse.Namespace, path: Path, blocks: int, threads: int,
+                   llama_args: tuple[int, int, int], have_llama: bool) -> Pair:  # fmt: skip
     """Both sides on one GGUF file: gptserve serves it as `--model FILE` does (at its own bits
     on a CPU), llama.cpp loads it."""
-    row = Row(path.name, config={"prefix_caching": False})
+    row = Row(path.name, config=engine_config(args))
     served = serve(row, str(path), "cpu", blocks)
     llama = llama_side(path, threads, *llama_args) if have_llama else None
     size = path.stat().st_size
@@ -454,6 +462,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=32, help="sequences of the batched decode")
     p.add_argument("--prompts", default="64,512", help="lengths of the prompt-processing rows")
     p.add_argument("--keep-gguf", metavar="DIR", help="also write the GGUF files to DIR")
+    p.add_argument("--kv-cache-dtype", choices=("auto", *DTYPES), default="auto",
+                   help="gptserve's KV cache (auto: the model's dtype; llama.cpp's is float16)")  # fmt: skip
     args = p.parse_args()
     formats = args.formats.split(",")
     if any(f not in PAIRS for f in formats):
@@ -483,7 +493,7 @@ def main() -> None:
     llama_args = (args.streams, seq_len, max(pp))
     with tempfile.TemporaryDirectory() as tmp:
         if gguf_path is not None:
-            pairs = [gguf_file_pair(gguf_path, blocks, threads, llama_args, not missing)]
+            pairs = [gguf_file_pair(args, gguf_path, blocks, threads, llama_args, not missing)]
             title = f"{gguf_path.name} (the same file both sides)"
         else:
             pairs = random_gpt2_pairs(args, formats, tmp, blocks, threads, llama_args,
@@ -514,10 +524,11 @@ def main() -> None:
                 print(f"round {r + 1} {pair.fmt}: {got}", flush=True)
 
     pick = max if args.stat == "best" else statistics.median
+    kv = "the model's dtype" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     print(
         f"\n{title}, {threads} threads both sides, prompt {args.prompt_len}, "
         f"{new} new tokens, greedy; {args.stat} of {args.rounds} alternating rounds; tok/s; "
-        "ratio = gptserve / llama.cpp"
+        f"ratio = gptserve / llama.cpp; gptserve's KV cache: {kv}, llama.cpp's: float16"
     )
     print("per CPU-second: tokens / CPU time of this process (all its threads), which other "
           "processes' load moves less than wall-clock time")  # fmt: skip

@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantize", default="none", choices=QUANTIZATIONS,
         help="int8: int8 layer matrices and head (see python -m server)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", *sorted(DTYPES)),
+        help="the KV cache's dtype; auto: the model's (see python -m server)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -60,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             path, device=args.device, dtype=args.dtype, quantization=args.quantize
         )
         tokenizer = loaded.tokenizer
-        engine = Engine(loaded.model, tokenizer, EngineConfig(max_num_seqs=max(1, args.n)))
+        config = EngineConfig(
+            max_num_seqs=max(1, args.n), kv_cache_dtype=DTYPES.get(args.kv_cache_dtype)
+        )
+        engine = Engine(loaded.model, tokenizer, config)
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
     except (ModelLoadError, FetchError, SamplingError, RequestError, RuntimeError) as exc:

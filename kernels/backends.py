@@ -42,6 +42,8 @@ from kernels.triton import available as triton_available
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the pools the compiled one-call decode (`paged_decode_qkv`) reads
+ONE_CALL_POOLS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,13 @@ class AttentionBackend(ABC, Generic[PlanT]):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
         v_pool: torch.Tensor, plan: PlanT, sm_scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """One layer of a step: write k, v (N, H_kv, D), then attend q (N, H, D) -> (N, H, D)."""
+        """One layer of a step: write k, v (N, H_kv, D), then attend q (N, H, D) -> (N, H, D).
+        Pools of another dtype than q's (a KV cache dtype of its own) take q in theirs and give
+        the result back in q's."""
         self.write(k_pool, v_pool, k, v, plan.write)
-        return self.attend(q, k_pool, v_pool, plan, sm_scale)
+        if q.dtype == k_pool.dtype:
+            return self.attend(q, k_pool, v_pool, plan, sm_scale)
+        return self.attend(q.to(k_pool.dtype), k_pool, v_pool, plan, sm_scale).to(q.dtype)
 
     def forward_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -253,11 +259,13 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan, n_head: int,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
-        """The compiled `paged_decode_qkv`, for a step of decodes only over float32 pools with
-        float32 rotary or none (as `forward` computes them, to the bit in the attention's
-        inputs)."""
+        """The compiled `paged_decode_qkv`, for a step of decodes only with float32 rotary or
+        none, over float32 pools (as `forward` computes them, to the bit in the attention's
+        inputs) or, for a float32 model, float16 or bfloat16 pools (its query stays float32)."""
         step = self.one_call_step(k_pool, v_pool, plan)
         if step is None or (cos is not None and cos.dtype != torch.float32):
+            return None
+        if k_pool.dtype != torch.float32 and qkv.dtype != torch.float32:
             return None
         n, scale = qkv.shape[0], k_pool.shape[-1] ** -0.5
         if cos is not None:
@@ -269,10 +277,11 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     def one_call_step(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan
     ) -> tuple[torch.Tensor, ...] | None:
-        """A step of decodes only that the plan gave the compiled kernel, over float32 pools."""
+        """A step of decodes only that the plan gave the compiled kernel, over float32,
+        float16 or bfloat16 pools."""
         if plan.rest is not None or plan.decodes is None or plan.decode is not None:
             return None
-        if k_pool.dtype != torch.float32:
+        if k_pool.dtype not in ONE_CALL_POOLS:
             return None
         meta = plan.decodes
         return (k_pool, v_pool, plan.write.block, plan.write.offset, meta.block_tables,

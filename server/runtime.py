@@ -17,6 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
 from engine.loader import ModelLoadError, check_load, load_for_inference
 from model import GPT, SHAKESPEARE_DIR
+from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
 from model.tokenizer import TextTokenizer
 from server.chat import ChatFormat, load_chat_format
@@ -140,6 +141,7 @@ class ServerState:
             speculative="draft" if settings.draft_model else settings.speculative,
             num_speculative_tokens=settings.num_speculative_tokens,
             batch_invariant=settings.batch_invariant,
+            kv_cache_dtype=DTYPES.get(settings.kv_cache_dtype),  # auto: None, the model's
         )
         async_engine = AsyncEngine(
             lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft),

@@ -119,6 +119,13 @@ class Settings:
         2.0, "KV cache memory bound (GiB); a request larger than the pool is a 400",
         group="engine", positive=True,
     )  # fmt: skip
+    kv_cache_dtype: str = flag(
+        "auto", "the KV cache's dtype; auto: the model's. float16 or bfloat16 under a float32 "
+        "model holds twice the tokens in --kv-cache-gb and halves what the decode attention "
+        "reads (llama.cpp's default cache is float16), at the cost of rounding each cached key "
+        "and value: outputs move by that rounding", group="engine",
+        choices=("auto", "float32", "float16", "bfloat16"),
+    )  # fmt: skip
     speculative: str | None = flag(
         None, "speculative decoding by prompt lookup (no second model); see also --draft-model",
         group="engine", choices=("ngram",),

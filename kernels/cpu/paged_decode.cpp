@@ -20,6 +20,10 @@
 
 #include "vec_math.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -79,6 +83,33 @@ inline vf load_vec(const float* p) {
   return v;
 }
 
+// kVec float16 values widened to float32 (exactly; one instruction where the CPU has F16C)
+inline vf load_vec(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf w;
+  for (int64_t i = 0; i < kVec; ++i) w[i] = static_cast<float>(p[i]);
+#endif
+  vf out;
+  std::memcpy(&out, &w, sizeof(out));
+  return out;
+}
+
+// kVec bfloat16 values widened to float32 (exactly: a bfloat16 is a float32's top 16 bits)
+inline vf load_vec(const c10::BFloat16* p) {
+  using vu16 = uint16_t __attribute__((vector_size(kVec * sizeof(uint16_t))));
+  using vu32 = uint32_t __attribute__((vector_size(kVec * sizeof(uint32_t))));
+  vu16 v;
+  std::memcpy(&v, p, sizeof(v));
+  const vu32 bits = __builtin_convertvector(v, vu32) << 16;
+  vf out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // lanes {a[lo..], b[lo..]} + lanes {a[hi..], b[hi..]}: one step of the transposed sum below
 inline vf fold(vf a, vf b, vi lo, vi hi) {
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
@@ -115,16 +146,22 @@ inline vf transposed_sum(const vf* p) {
 #endif
 }
 
-// the scores of a tile's n float32 keys (row stride `stride`) for one query q (dim, a multiple
-// of kVec), kVec keys at a time
-inline void tile_scores(const float* q, const float* tile, int64_t n, int64_t stride,
+// whether `load_vec` widens T's rows to float32 vectors (float32, float16, bfloat16)
+template <typename T>
+constexpr bool kWidened = std::is_same_v<T, float> || std::is_same_v<T, c10::Half> ||
+                          std::is_same_v<T, c10::BFloat16>;
+
+// the scores of a tile's n keys of T (row stride `stride`) for one query q (dim, a multiple of
+// kVec), kVec keys at a time, in float32
+template <typename T>
+inline void tile_scores(const float* q, const T* tile, int64_t n, int64_t stride,
                         int64_t dim, float* out) {
   for (int64_t base = 0; base < n; base += kVec) {
     vf p[kVec];
     for (int64_t s = 0; s < kVec; ++s) {
       vf acc = {};
       if (base + s < n) {
-        const float* key = tile + (base + s) * stride;
+        const T* key = tile + (base + s) * stride;
         for (int64_t c = 0; c < dim; c += kVec) acc += load_vec(q + c) * load_vec(key + c);
       }
       p[s] = acc;
@@ -134,34 +171,35 @@ inline void tile_scores(const float* q, const float* tile, int64_t n, int64_t st
   }
 }
 
-// acc[0, M vectors) += p[s] * the same vectors of value row s, for a tile's n float32 rows
-// (row stride `stride`) in order, acc held in registers across the rows
-template <int M>
-inline void held_values(const float* p, const float* tile, int64_t n, int64_t stride,
+// acc[0, M vectors) += p[s] * the same vectors of value row s, for a tile's n rows of T (row
+// stride `stride`) in order, acc held in registers across the rows
+template <int M, typename T>
+inline void held_values(const float* p, const T* tile, int64_t n, int64_t stride,
                         float* acc) {
   vf a[M];
   for (int i = 0; i < M; ++i) a[i] = load_vec(acc + i * kVec);
   for (int64_t s = 0; s < n; ++s) {
-    const float* row = tile + s * stride;
+    const T* row = tile + s * stride;
     const vf weight = vf{} + p[s];
     for (int i = 0; i < M; ++i) a[i] += weight * load_vec(row + i * kVec);
   }
   std::memcpy(acc, a, sizeof(a));
 }
 
-// acc (dim, a multiple of kVec) += p[s] * value row s of a tile's n float32 rows, in order
-inline void tile_values(const float* p, const float* tile, int64_t n, int64_t stride,
+// acc (dim, a multiple of kVec) += p[s] * value row s of a tile's n rows of T, in order
+template <typename T>
+inline void tile_values(const float* p, const T* tile, int64_t n, int64_t stride,
                         int64_t dim, float* acc) {
   int64_t c = 0;
-  for (; c + 8 * kVec <= dim; c += 8 * kVec) held_values<8>(p, tile + c, n, stride, acc + c);
+  for (; c + 8 * kVec <= dim; c += 8 * kVec) held_values<8, T>(p, tile + c, n, stride, acc + c);
   switch ((dim - c) / kVec) {
-    case 7: return held_values<7>(p, tile + c, n, stride, acc + c);
-    case 6: return held_values<6>(p, tile + c, n, stride, acc + c);
-    case 5: return held_values<5>(p, tile + c, n, stride, acc + c);
-    case 4: return held_values<4>(p, tile + c, n, stride, acc + c);
-    case 3: return held_values<3>(p, tile + c, n, stride, acc + c);
-    case 2: return held_values<2>(p, tile + c, n, stride, acc + c);
-    case 1: return held_values<1>(p, tile + c, n, stride, acc + c);
+    case 7: return held_values<7, T>(p, tile + c, n, stride, acc + c);
+    case 6: return held_values<6, T>(p, tile + c, n, stride, acc + c);
+    case 5: return held_values<5, T>(p, tile + c, n, stride, acc + c);
+    case 4: return held_values<4, T>(p, tile + c, n, stride, acc + c);
+    case 3: return held_values<3, T>(p, tile + c, n, stride, acc + c);
+    case 2: return held_values<2, T>(p, tile + c, n, stride, acc + c);
+    case 1: return held_values<1, T>(p, tile + c, n, stride, acc + c);
     default: return;
   }
 }
@@ -180,30 +218,31 @@ inline void prefetch_rows(const T* block, int64_t n, int64_t stride, int64_t h0,
   }
 }
 
-template <typename T>
+template <typename S, typename T>
 void write_new(const at::Tensor& x, const at::Tensor& pool, const int64_t* block,
                const int64_t* offset) {
-  // x (N, H_kv, D) -> pool[block[n], offset[n], h, :]
+  // x (N, H_kv, D) of S -> pool[block[n], offset[n], h, :] of T (rounded to nearest, as
+  // PyTorch's `to` rounds)
   const int64_t n_tok = x.size(0), n_kv = x.size(1), dim = x.size(2);
-  const T* src = x.data_ptr<T>();
+  const S* src = x.data_ptr<S>();
   T* dst = pool.data_ptr<T>();
   for (int64_t n = 0; n < n_tok; ++n) {
     for (int64_t h = 0; h < n_kv; ++h) {
-      const T* from = src + n * x.stride(0) + h * x.stride(1);
+      const S* from = src + n * x.stride(0) + h * x.stride(1);
       T* to = dst + block[n] * pool.stride(0) + offset[n] * pool.stride(1) + h * pool.stride(2);
-      std::copy(from, from + dim, to);
+      for (int64_t d = 0; d < dim; ++d) to[d] = static_cast<T>(from[d]);
     }
   }
 }
 
-template <typename T, typename O>  // pools of T, outputs of O
+template <typename Q, typename T, typename O>  // queries of Q, pools of T, outputs of O
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
             const int32_t* tables, int64_t table_width, const int32_t* ctx_lens, int64_t n_seq,
             double scale, at::Tensor& out) {
   const int64_t n_head = q.size(1), dim = q.size(2);
   const int64_t n_kv = k_pool.size(2), bs = k_pool.size(1);
   const int64_t group = n_head / n_kv;
-  const T* qp = q.data_ptr<T>();
+  const Q* qp = q.data_ptr<Q>();
   const T* kp = k_pool.data_ptr<T>();
   const T* vp = v_pool.data_ptr<T>();
   O* op = out.data_ptr<O>();
@@ -220,8 +259,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t per_seq = (n_kv + span - 1) / span;
   const int64_t tasks = n_seq * per_seq;
   const int64_t grain = work < kSerialWork ? tasks : 1;
-  // float32 keys in rows of whole vectors take `tile_scores` (a choice of the pools' shape
-  // alone: a sequence's scores never depend on its batch)
+  // keys in rows of whole vectors take `tile_scores` (a choice of the pools' shape alone: a
+  // sequence's scores never depend on its batch)
   const bool tiled = dim % kVec == 0;
   const float fscale = static_cast<float>(scale);
 
@@ -233,7 +272,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       const int64_t ctx = ctx_lens[b];
       const int32_t* table = tables + b * table_width;
       for (int64_t j = 0; j < heads; ++j) {  // query heads h0 * group ... h1 * group - 1
-        const T* src = qp + b * q.stride(0) + (h0 * group + j) * q.stride(1);
+        const Q* src = qp + b * q.stride(0) + (h0 * group + j) * q.stride(1);
         for (int64_t d = 0; d < dim; ++d) qf[j * dim + d] = static_cast<float>(src[d]) * fscale;
       }
       scores.resize(heads * ctx);  // (heads, ctx)
@@ -247,7 +286,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
           if (next != nullptr) prefetch_rows(next, next_n, ks, h, h + 1, kh, dim);
           const T* tile = block + h * kh;
           const int64_t row0 = (h - h0) * group;
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (kWidened<T>) {
             if (tiled) {
               for (int64_t g = 0; g < group; ++g) {
                 const int64_t r = row0 + g;
@@ -276,7 +315,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
         const int64_t n = std::min(bs, ctx - start);
         const T* next = start + bs < ctx ? vp + int64_t(table[start / bs + 1]) * vb : nullptr;
         const int64_t next_n = std::min(bs, ctx - start - bs);
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (kWidened<T>) {
           if (tiled) {
             for (int64_t r = 0; r < heads; ++r) {
               const int64_t h = h0 + r / group;
@@ -375,9 +414,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const int64_t* block = write_block.data_ptr<int64_t>();
     const int64_t* offset = write_offset.data_ptr<int64_t>();
-    write_new<scalar_t>(k, k_pool, block, offset);
-    write_new<scalar_t>(v, v_pool, block, offset);
-    attend<scalar_t, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+    write_new<scalar_t, scalar_t>(k, k_pool, block, offset);
+    write_new<scalar_t, scalar_t>(v, v_pool, block, offset);
+    attend<scalar_t, scalar_t, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
                      context_lens.data_ptr<int32_t>(), n_decode, scale, out);
   });
   return out;
@@ -407,18 +446,23 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(const In* x, const 
 // A decode step of a layer from its fused q/k/v product: qkv (N, (H + 2 H_kv) * D) float32 or
 // bfloat16, one new token per sequence (N sequences); cos and sin (N, D) float32 of each token's
 // position (model/rotary.py), or none for a model without rotary positions. Rotates q and k in
-// float32, writes k and v to float32 pools at
-// (write_block, write_offset), attends, and returns (N, H, D) in out_dtype (the dtype of the
-// product that follows): what the PyTorch steps between the two products computed, in one call.
+// float32, writes k and v to the pools at (write_block, write_offset) (float32 pools as they
+// are; float16 or bfloat16 pools, the KV cache's dtype, rounded to it), attends with the query in
+// float32, and returns (N, H, D) in out_dtype (the dtype of the product that follows): what the
+// PyTorch steps between the two products computed, in one call.
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tensor>& cos,
                             const std::optional<at::Tensor>& sin,
                             const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& write_block, const at::Tensor& write_offset,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t n_head, double scale, at::ScalarType out_dtype) {
-  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
-                  k_pool.dim() == 4 && k_pool.stride(-1) == 1 && v_pool.stride(-1) == 1,
-              "the pools must be float32 (blocks, slots, H_kv, D) with contiguous rows");
+  const at::ScalarType pool_dtype = k_pool.scalar_type();
+  TORCH_CHECK((pool_dtype == at::kFloat || pool_dtype == at::kHalf ||
+               pool_dtype == at::kBFloat16) &&
+                  v_pool.scalar_type() == pool_dtype && k_pool.dim() == 4 &&
+                  k_pool.stride(-1) == 1 && v_pool.stride(-1) == 1,
+              "the pools must be float32, float16 or bfloat16 (blocks, slots, H_kv, D) with "
+              "contiguous rows");
   const int64_t n = qkv.size(0), n_kv = k_pool.size(2), dim = k_pool.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (n_head + 2 * n_kv) * dim &&
                   n_head % n_kv == 0 && dim % 2 == 0,
@@ -454,12 +498,16 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tenso
   });
   const int64_t* block = write_block.data_ptr<int64_t>();
   const int64_t* offset = write_offset.data_ptr<int64_t>();
-  write_new<float>(k, k_pool, block, offset);
-  write_new<float>(v, v_pool, block, offset);
   at::Tensor out = at::empty({n, n_head, dim}, qkv.options().dtype(out_dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "paged_decode_qkv_out", [&] {
-    attend<float, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(),
-                            block_tables.size(1), context_lens.data_ptr<int32_t>(), n, scale, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, pool_dtype, "paged_decode_qkv_pool", [&] {
+    using pool_t = scalar_t;
+    write_new<float, pool_t>(k, k_pool, block, offset);
+    write_new<float, pool_t>(v, v_pool, block, offset);
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "paged_decode_qkv_out", [&] {
+      attend<float, pool_t, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(),
+                                      block_tables.size(1), context_lens.data_ptr<int32_t>(), n,
+                                      scale, out);
+    });
   });
   return out;
 }

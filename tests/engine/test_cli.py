@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from engine.engine import Engine
+from engine.engine import Engine, EngineConfig
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
 
@@ -46,6 +46,22 @@ def test_greedy_output_is_the_engines(tiny_dir):
     while engine.has_work():
         text += "".join(e.text for e in engine.step())
     assert text and out.stdout == text + "\n"
+
+
+def test_a_float16_kv_cache_gives_the_engines_greedy_text_over_that_cache(tiny_dir):
+    out = _run("--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "0",
+               "--kv-cache-dtype", "float16")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    tok = get_tokenizer()
+    engine = Engine(load_checkpoint(tiny_dir), tok, EngineConfig(kv_cache_dtype=torch.float16))
+    assert engine.cache.k.dtype == torch.float16
+    engine.add_request("g", tok.encode("To be"), SamplingParams(temperature=0, max_tokens=12))
+    text = ""
+    while engine.has_work():
+        text += "".join(e.text for e in engine.step())
+    assert text and out.stdout == text + "\n"
+    bad = _run("--model", str(tiny_dir), "x", "--kv-cache-dtype", "int4")
+    assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr.strip().splitlines()[-1]
 
 
 def test_n_completions(tiny_dir):

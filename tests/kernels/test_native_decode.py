@@ -190,6 +190,52 @@ def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out
     assert rel_error(out, ref) < TOLERANCE[out_dtype]
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 40])  # whole vectors (the widening loops) or not
+def test_a_float32_step_over_a_narrower_cache_rounds_the_writes_and_nothing_else(
+    pool_dtype, head_dim
+):
+    # a float32 model over a float16/bfloat16 KV cache (--kv-cache-dtype): the new keys and
+    # values are stored rounded to the pool's dtype as PyTorch's `to` rounds them, the query
+    # stays float32, and the attention is the float32 attention over the rounded cache
+    n_head, n_kv, bs = 6, 2, 8
+    ctx = [5, 70, 8, 33]
+    _, k32, v32, meta = paged_batch(ctx, [1] * 4, bs, n_head=n_head, head_dim=head_dim,
+                                    dtype=torch.float32, device="cpu", head_major=True,
+                                    n_kv_head=n_kv)  # fmt: skip
+    k, v = k32.to(pool_dtype), v32.to(pool_dtype)  # (the same head-major layout)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(4, (n_head + 2 * n_kv) * head_dim, generator=gen)
+    inv_freq = rotary_inv_freq(head_dim, 10000.0)
+    cos, sin = rotary_cos_sin(meta.positions, inv_freq, torch.float32)  # (N, 1, D) each
+    heads = qkv.view(4, n_head + 2 * n_kv, head_dim)
+    qk = apply_rotary(heads[:, : n_head + n_kv], cos, sin)
+    q, k_new, v_new = qk[:, :n_head], qk[:, n_head:], heads[:, n_head + n_kv :]
+    at = KVWrite.of(meta, bs)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[at.block, at.offset] = k_new.to(pool_dtype)
+    want_v[at.block, at.offset] = v_new.to(pool_dtype)
+    ops, scale = native.native_ops(), head_dim**-0.5
+    out = ops.paged_decode_qkv(
+        qkv, cos.view(4, head_dim), sin.view(4, head_dim), k, v, at.block, at.offset,
+        meta.block_tables, meta.context_lens, n_head, scale, torch.float32,
+    )  # fmt: skip
+    assert torch.equal(k.nan_to_num(7), want_k.nan_to_num(7))
+    assert torch.equal(v.nan_to_num(7), want_v.nan_to_num(7))
+    ref = paged_attention_reference(q, want_k.float(), want_v.float(), meta)
+    assert out.dtype == torch.float32 and rel_error(out, ref) < TOLERANCE[torch.float32]
+    # each sequence alone, the rest of the pool as the batch left it: the same bits
+    for i in range(4):
+        one = slice(i, i + 1)
+        k_again, v_again = want_k.clone(), want_v.clone()
+        alone = ops.paged_decode_qkv(
+            qkv[one], cos.view(4, head_dim)[one], sin.view(4, head_dim)[one], k_again, v_again,
+            at.block[one], at.offset[one], meta.block_tables[one].contiguous(),
+            meta.context_lens[one], n_head, scale, torch.float32,
+        )  # fmt: skip
+        assert torch.equal(alone[0], out[i])
+
+
 def test_the_step_without_rotary_positions_takes_q_and_k_as_they_are():
     n_head, n_kv, dim, bs = 4, 4, 16, 8  # GPT-2's shape: no rotation, every head its keys
     _, k, v, meta = paged_batch([5, 12], [1, 1], bs, n_head=n_head, head_dim=dim,
