@@ -29,7 +29,9 @@
 8. `--parts layer`: the Engine's float32 decode step with 1 and 4 sequences, each GPT-2 layer
    through its Python path against one compiled call (`model.cpu.decode_layer`).
    `--parts sampler`: the sampler's pass over the vocabulary (kernels/cpu/logit_stats.cpp)
-   with the log-sum-exp a logprob needs against the argmax alone.
+   with the log-sum-exp a logprob needs against the argmax alone. `--parts kv`: the Engine's
+   decode step (float32 and int8, 1 and 32 sequences) over a float32 KV cache against a
+   float16 one (`--kv-cache-dtype float16`), two engines taking steps in turn.
 9. `--parts shared` and `--parts prefill`: attention over a 1024-token prefix that 8 (decode) or
    7 (a chat's second-turn prefill) sequences share, read once against a copy per holder; for
    the prefill, also the whole model step and the score product (MKL against oneDNN).
@@ -580,6 +582,50 @@ def layer_rows() -> list[Row]:
     return rows
 
 
+def kv_dtype_rows() -> list[Row]:
+    """Median decode step of two Engines on one GPT-2 124M (float32, then `--quantize int8`)
+    with 1 and 32 sequences of 64-token prompts: the KV cache in float32 (the model's dtype)
+    against float16 (`--kv-cache-dtype float16`), the two taking 10 steps in turn, so that their
+    contexts grow alike (69 to 189 tokens)."""
+    import engine.engine as engine_module
+    from engine.sampler import SamplingParams
+    from model import get_tokenizer
+    from model.quantize import quantize
+
+    rows = []
+    for method in ("none", "int8"):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig()).eval()
+        model = optimize_for_cpu(quantize(model, method) if method != "none" else model)
+        for seqs in (1, 32):
+            blocks = seqs * 24
+            configs = [
+                engine_module.EngineConfig(seqs, num_blocks=blocks, kv_cache_dtype=kv)
+                for kv in (None, torch.float16)
+            ]
+            engines = [engine_module.Engine(model, get_tokenizer(), c) for c in configs]
+            gen = torch.Generator().manual_seed(seqs)
+            params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+            prompts = [torch.randint(0, 50257, (64,), generator=gen).tolist() for _ in range(seqs)]
+            for eng in engines:
+                for i, prompt in enumerate(prompts):
+                    eng.add_request(str(i), prompt, params)
+                for _ in range(5):
+                    eng.step()
+            times: tuple[list[float], list[float]] = ([], [])
+            for _ in range(12):
+                for eng, out in zip(engines, times):
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        eng.step()
+                    out.append(100 * (time.perf_counter() - t0))  # ms a step
+            label = "float32" if method == "none" else "int8"
+            rows.append((f"engine decode step, {seqs} {label} seq(s)", "KV float32 -> float16",
+                         statistics.median(times[0]), statistics.median(times[1])))  # fmt: skip
+            del engines
+    return rows
+
+
 def sampler_rows() -> list[Row]:
     """The sampler's pass over GPT-2's vocabulary for 1 and 32 greedy rows: argmax and
     log-sum-exp (a row reports logprobs) against the argmax alone (none does)."""
@@ -611,6 +657,7 @@ PARTS = {
     "q8": q8_rows,
     "layer": layer_rows,
     "sampler": sampler_rows,
+    "kv": kv_dtype_rows,
 }
 
 

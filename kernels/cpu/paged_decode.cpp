@@ -146,10 +146,14 @@ inline vf transposed_sum(const vf* p) {
 #endif
 }
 
-// whether `load_vec` widens T's rows to float32 vectors (float32, float16, bfloat16)
-template <typename T>
-constexpr bool kWidened = std::is_same_v<T, float> || std::is_same_v<T, c10::Half> ||
-                          std::is_same_v<T, c10::BFloat16>;
+// whether keys and values of T meet a query of Q in the vector loops below: float32 pools, and
+// float16 or bfloat16 pools under a float32 query (a KV cache narrower than its model).
+// bfloat16 and float16 models keep the scalar loops' order of sums, and so their bits.
+template <typename Q, typename T>
+constexpr bool kWidened =
+    std::is_same_v<T, float> ||
+    (std::is_same_v<Q, float> &&
+     (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>));
 
 // the scores of a tile's n keys of T (row stride `stride`) for one query q (dim, a multiple of
 // kVec), kVec keys at a time, in float32
@@ -286,7 +290,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
           if (next != nullptr) prefetch_rows(next, next_n, ks, h, h + 1, kh, dim);
           const T* tile = block + h * kh;
           const int64_t row0 = (h - h0) * group;
-          if constexpr (kWidened<T>) {
+          if constexpr (kWidened<Q, T>) {
             if (tiled) {
               for (int64_t g = 0; g < group; ++g) {
                 const int64_t r = row0 + g;
@@ -315,7 +319,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
         const int64_t n = std::min(bs, ctx - start);
         const T* next = start + bs < ctx ? vp + int64_t(table[start / bs + 1]) * vb : nullptr;
         const int64_t next_n = std::min(bs, ctx - start - bs);
-        if constexpr (kWidened<T>) {
+        if constexpr (kWidened<Q, T>) {
           if (tiled) {
             for (int64_t r = 0; r < heads; ++r) {
               const int64_t h = h0 + r / group;
