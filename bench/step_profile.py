@@ -31,6 +31,7 @@ from bench.host import print_host  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_for_inference  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
+from model.dtypes import DTYPES  # noqa: E402
 from model.known_models import resolve_model  # noqa: E402
 
 
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="none")
     p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *DTYPES),
+                   help="as `python -m server --kv-cache-dtype`")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -84,6 +87,7 @@ def main() -> None:
     config = EngineConfig(
         max_num_seqs=args.streams, kv_block_size=16, prefix_caching=False,
         num_blocks=args.streams * -(-total // 16) + 4,
+        kv_cache_dtype=DTYPES.get(args.kv_cache_dtype),
     )  # fmt: skip
     engine = Engine(model, loaded.tokenizer, config)
     gen = torch.Generator().manual_seed(0)

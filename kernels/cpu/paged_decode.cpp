@@ -156,19 +156,21 @@ constexpr bool kWidened =
      (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>));
 
 // the scores of a tile's n keys of T (row stride `stride`) for one query q (dim, a multiple of
-// kVec), kVec keys at a time, in float32
+// kVec), kVec keys at a time, in float32: each key's products summed over the dimensions in
+// order, the kVec keys' chains side by side (one multiply-add chain at a time had left the
+// cores waiting on each add's latency), then folded by `transposed_sum`. Past the n-th key the
+// rows read are the tile's first (in bounds); their lanes are never stored.
 template <typename T>
 inline void tile_scores(const float* q, const T* tile, int64_t n, int64_t stride,
                         int64_t dim, float* out) {
   for (int64_t base = 0; base < n; base += kVec) {
+    const T* keys[kVec];
+    for (int64_t s = 0; s < kVec; ++s) keys[s] = tile + (base + s < n ? base + s : 0) * stride;
     vf p[kVec];
-    for (int64_t s = 0; s < kVec; ++s) {
-      vf acc = {};
-      if (base + s < n) {
-        const T* key = tile + (base + s) * stride;
-        for (int64_t c = 0; c < dim; c += kVec) acc += load_vec(q + c) * load_vec(key + c);
-      }
-      p[s] = acc;
+    for (int64_t s = 0; s < kVec; ++s) p[s] = vf{};
+    for (int64_t c = 0; c < dim; c += kVec) {
+      const vf qc = load_vec(q + c);
+      for (int64_t s = 0; s < kVec; ++s) p[s] += qc * load_vec(keys[s] + c);
     }
     const vf y = transposed_sum(p);
     for (int64_t s = 0; s < std::min(kVec, n - base); ++s) out[base + s] = y[s];
