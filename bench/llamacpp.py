@@ -27,9 +27,10 @@ n_threads and n_threads_batch), the same token ids, and produce as many tokens g
 
 Every side starts from an empty cache each time (gptserve's prefix caching is off, llama.cpp's
 memory is cleared). gptserve's KV cache has the model's dtype unless `--kv-cache-dtype` says
-otherwise (`float16`: the cache llama.cpp keeps). llama.cpp keeps its defaults otherwise (f16
-KV cache, flash attention "auto", 512-token batches, the CPU backend's weight repacking). Each round runs every
-measurement on both sides back to back, which side goes first alternating between rounds; the
+otherwise for its float32 models (`float16`: the cache llama.cpp keeps; bfloat16 models keep
+their own). llama.cpp keeps its defaults otherwise (f16 KV cache, flash attention "auto",
+512-token batches, the CPU backend's weight repacking). Each round runs every measurement on
+both sides back to back, which side goes first alternating between rounds; the
 table keeps each side's best (or median) and the ratio gptserve / llama.cpp (above 1: gptserve
 is faster), in tokens per second and per CPU-second of this process (all its threads), which
 other processes' load on a shared machine moves much less; with more than one thread, threads
@@ -415,7 +416,7 @@ def random_gpt2_pairs(args, formats: list[str], tmp: str, blocks: int, threads: 
     pairs = []
     for fmt in formats:
         dtype, method, _ = PAIRS[fmt]
-        row = Row(fmt, dtype=dtype, quantize=method, config=engine_config(args))
+        row = Row(fmt, dtype=dtype, quantize=method, config=engine_config(args, dtype))
         served = serve(row, tmp, "cpu", blocks)
         llama, size = None, 0
         if have_llama:
@@ -429,9 +430,13 @@ def random_gpt2_pairs(args, formats: list[str], tmp: str, blocks: int, threads: 
     return pairs
 
 
-def engine_config(args: argparse.Namespace) -> dict:
-    """gptserve's EngineConfig fields: no prefix caching, the KV cache's dtype."""
-    return {"prefix_caching": False, "kv_cache_dtype": DTYPES.get(args.kv_cache_dtype)}
+def engine_config(args: argparse.Namespace, dtype: str = "float32") -> dict:
+    """gptserve's EngineConfig fields for weights in `dtype`: no prefix caching; the KV cache
+    `--kv-cache-dtype` asks for where it goes with them (a 16-bit cache under float32 weights),
+    else the weights' own."""
+    asked = DTYPES.get(args.kv_cache_dtype)
+    fits = asked in (None, DTYPES[dtype]) or dtype == "float32"
+    return {"prefix_caching": False, "kv_cache_dtype": asked if fits else None}
 
 
 def gguf_file_pair(args: argparse.Namespace, path: Path, blocks: int, threads: int,
@@ -528,7 +533,8 @@ def main() -> None:
     print(
         f"\n{title}, {threads} threads both sides, prompt {args.prompt_len}, "
         f"{new} new tokens, greedy; {args.stat} of {args.rounds} alternating rounds; tok/s; "
-        f"ratio = gptserve / llama.cpp; gptserve's KV cache: {kv}, llama.cpp's: float16"
+        f"ratio = gptserve / llama.cpp; gptserve's KV cache: {kv} (a bfloat16 model's: its own), "
+        "llama.cpp's: float16"
     )
     print("per CPU-second: tokens / CPU time of this process (all its threads), which other "
           "processes' load moves less than wall-clock time")  # fmt: skip

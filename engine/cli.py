@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(loaded.model, tokenizer, config)
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
-    except (ModelLoadError, FetchError, SamplingError, RequestError, RuntimeError) as exc:
+    except (ModelLoadError, FetchError, SamplingError, RequestError, RuntimeError,
+            ValueError) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
     texts: dict[int, list[str]] = {i: [] for i in range(args.n)}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, cache_dtype
 from engine.limits import EngineLimits, RequestError, RequestLimits
 from engine.proposers import make_speculator
 from engine.runner import ModelRunner
@@ -47,7 +47,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # the KV cache's dtype; None: the model's. float16 or bfloat16 under a float32 model halves
     # the cache's bytes (twice the tokens in kv_cache_bytes, half the decode attention's reads)
-    # at the cost of rounding each cached key and value
+    # at the cost of rounding each cached key and value; any other dtype than the model's is a
+    # ValueError (`engine.kv_cache.cache_dtype`)
     kv_cache_dtype: torch.dtype | None = None
 
 
@@ -79,7 +80,8 @@ class Engine:
         mc = model.config
         self.max_len = mc.context_length
         param = next(model.parameters())
-        kv_dtype = config.kv_cache_dtype or param.dtype
+        floats = (p.dtype for p in model.parameters() if p.is_floating_point())
+        kv_dtype = cache_dtype(next(floats, param.dtype), config.kv_cache_dtype)
         num_blocks = config.num_blocks
         if num_blocks is None:
             per_block = KVCache.bytes_per_block(

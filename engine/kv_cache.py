@@ -29,7 +29,25 @@ from engine.prefix_index import PrefixIndex, salt_root
 from kernels.backends import AttentionBackend, KVSpec, select_attention_backend
 from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
 
-__all__ = ["BlockAllocator", "KVCache", "OutOfBlocks"]
+__all__ = ["BlockAllocator", "KVCache", "OutOfBlocks", "cache_dtype"]
+
+# the caches a float32 model may keep narrower than itself (--kv-cache-dtype)
+NARROWER_CACHES = (torch.float16, torch.bfloat16)
+
+
+def cache_dtype(model_dtype: torch.dtype, asked: torch.dtype | None) -> torch.dtype:
+    """The KV cache's dtype for a model computing in `model_dtype`: `asked`, or the model's own
+    where None. A cache is the model's dtype or, under a float32 model, float16 or bfloat16;
+    raises ValueError for any other (a cache wider than its model, or of another 16-bit kind)."""
+    if asked is None or asked == model_dtype:
+        return model_dtype
+    if model_dtype == torch.float32 and asked in NARROWER_CACHES:
+        return asked
+    name = str(model_dtype).removeprefix("torch.")
+    raise ValueError(
+        f"--kv-cache-dtype {str(asked).removeprefix('torch.')} does not go with a {name} model: "
+        f"the cache is the model's dtype ({name}) or, under a float32 model, float16 or bfloat16"
+    )
 
 
 class KVCache:

@@ -44,6 +44,8 @@ PlanT = TypeVar("PlanT", bound=AttentionPlan)
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the pools the compiled one-call decode (`paged_decode_qkv`) reads
 ONE_CALL_POOLS = (torch.float32, torch.float16, torch.bfloat16)
+# the pools narrower than a float32 model that the compiled decodes read with float32 queries
+NARROWER_POOLS = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -242,8 +244,13 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             return super().forward(q, k, v, k_pool, v_pool, plan, sm_scale)
         # the compiled kernel: every write, then the leading decodes' attention, in one call
         out_dtype = q.dtype
-        if not out_dtype == k.dtype == v.dtype == k_pool.dtype:
+        # float32 q, k, v over float16/bfloat16 pools go in as they are (the one-call path's
+        # arithmetic, `forward_qkv`); any other mix in the pools' dtype
+        narrower = q.dtype == torch.float32 and k_pool.dtype in NARROWER_POOLS
+        if not narrower and not out_dtype == k.dtype == v.dtype == k_pool.dtype:
             q, k, v = (t.to(k_pool.dtype) for t in (q, k, v))
+        elif narrower:
+            k, v = k.float(), v.float()
         meta, n = plan.decodes, plan.decodes.num_seqs  # one token each
         scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
         out = self._native()(  # (n, H, D)
@@ -251,7 +258,8 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             meta.context_lens, n, scale,
         )  # fmt: skip
         if plan.rest is not None:
-            out = torch.cat([out, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
+            rest = self._rest(q[n:].to(k_pool.dtype), k_pool, v_pool, plan, sm_scale)
+            out = torch.cat([out, rest.to(out.dtype)])
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def forward_qkv(
@@ -266,7 +274,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         if step is None or (cos is not None and cos.dtype != torch.float32):
             return None
         if k_pool.dtype != torch.float32 and qkv.dtype != torch.float32:
-            return None
+            return None  # a bfloat16/float16 model over its own cache: `forward`
         n, scale = qkv.shape[0], k_pool.shape[-1] ** -0.5
         if cos is not None:
             cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, D)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
+from engine.kv_cache import cache_dtype
 from engine.loader import ModelLoadError, check_load, load_for_inference
 from model import GPT, SHAKESPEARE_DIR
 from model.dtypes import DTYPES
@@ -52,7 +53,13 @@ def preflight(settings: Settings) -> None:
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if name is None and path.suffix != ".gguf" and not path.is_dir():
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
-    check_load(settings.device, settings.dtype, settings.quantize, settings.batch_invariant)
+    _, dtype = check_load(
+        settings.device, settings.dtype, settings.quantize, settings.batch_invariant
+    )
+    try:
+        cache_dtype(dtype, DTYPES.get(settings.kv_cache_dtype))
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def load_model(settings: Settings) -> LoadedModel:

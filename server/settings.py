@@ -123,7 +123,8 @@ class Settings:
         "auto", "the KV cache's dtype; auto: the model's. float16 or bfloat16 under a float32 "
         "model holds twice the tokens in --kv-cache-gb and halves what the decode attention "
         "reads (llama.cpp's default cache is float16), at the cost of rounding each cached key "
-        "and value: outputs move by that rounding", group="engine",
+        "and value: outputs move by that rounding; a cache is the model's dtype or 16-bit under "
+        "a float32 model", group="engine",
         choices=("auto", "float32", "float16", "bfloat16"),
     )  # fmt: skip
     speculative: str | None = flag(

@@ -404,9 +404,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         int64_t n_decode, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (N, heads, D)");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "pools must be (blocks, slots, H_kv, D)");
+  const at::ScalarType dtype = q.scalar_type(), pool_dtype = k_pool.scalar_type();
+  // a float32 model over a float16 or bfloat16 cache passes float32 q, k, v (as
+  // paged_decode_qkv computes them, so that a step's decodes get the same bits whether or not a
+  // prefill shares it)
+  const bool narrower = dtype == at::kFloat && (pool_dtype == at::kHalf || pool_dtype == at::kBFloat16);
   for (const at::Tensor* t : {&q, &k, &v, &k_pool, &v_pool}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == k_pool.scalar_type(),
-                "q, k, v and the pools must be CPU tensors of one dtype");
+    const at::ScalarType want = (t == &k_pool || t == &v_pool) ? pool_dtype : dtype;
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == want && (narrower || dtype == pool_dtype),
+                "q, k, v and the pools must be CPU tensors of one dtype (or float32 q, k, v over "
+                "float16 or bfloat16 pools)");
     TORCH_CHECK(t->stride(-1) == 1, "the last dimension must be contiguous");
   }
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0, "query heads must be a multiple of KV heads");
@@ -417,13 +424,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_step(k_pool, v_pool, write_block, write_offset, k.size(0), block_tables, context_lens,
              n_decode);
   at::Tensor out = at::empty({n_decode, q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const int64_t* block = write_block.data_ptr<int64_t>();
-    const int64_t* offset = write_offset.data_ptr<int64_t>();
+  const int64_t* block = write_block.data_ptr<int64_t>();
+  const int64_t* offset = write_offset.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  if (narrower) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(pool_dtype, "paged_decode_narrower", [&] {
+      write_new<float, scalar_t>(k, k_pool, block, offset);
+      write_new<float, scalar_t>(v, v_pool, block, offset);
+      attend<float, scalar_t, float>(q, k_pool, v_pool, tables, block_tables.size(1), lens,
+                                     n_decode, scale, out);
+    });
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode", [&] {
     write_new<scalar_t, scalar_t>(k, k_pool, block, offset);
     write_new<scalar_t, scalar_t>(v, v_pool, block, offset);
-    attend<scalar_t, scalar_t, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
-                     context_lens.data_ptr<int32_t>(), n_decode, scale, out);
+    attend<scalar_t, scalar_t, scalar_t>(q, k_pool, v_pool, tables, block_tables.size(1), lens,
+                                         n_decode, scale, out);
   });
   return out;
 }

@@ -62,6 +62,11 @@ def test_a_float16_kv_cache_gives_the_engines_greedy_text_over_that_cache(tiny_d
     assert text and out.stdout == text + "\n"
     bad = _run("--model", str(tiny_dir), "x", "--kv-cache-dtype", "int4")
     assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr.strip().splitlines()[-1]
+    wider = _run(
+        "--model", str(tiny_dir), "x", "--dtype", "bfloat16", "--kv-cache-dtype", "float32"
+    )
+    assert wider.returncode == 2 and wider.stderr.strip().count("\n") == 0, wider.stderr
+    assert wider.stderr.startswith("error: --kv-cache-dtype float32 does not go with a bfloat16")
 
 
 def test_n_completions(tiny_dir):

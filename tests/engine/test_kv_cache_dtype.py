@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
+from engine.kv_cache import cache_dtype
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, get_tokenizer
 from model.cpu import optimize_for_cpu
@@ -87,3 +88,46 @@ def test_the_model_dtype_is_the_default_and_a_same_dtype_cache_changes_nothing()
     same, explicit = generate(model, torch.float32)
     assert same.cache.k.dtype == torch.float32
     assert explicit == default
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_sequence_gets_the_same_logprobs_whether_or_not_a_prefill_shares_its_steps(
+    kv_dtype: torch.dtype,
+) -> None:
+    # decode-only steps take the one-call kernel; a step that also prefills takes
+    # `CpuPagedBackend.forward`: both keep the query in float32 over the narrower cache
+    model = MODELS["llama for the CPU"]
+    gen = torch.Generator().manual_seed(2)
+    mine = torch.randint(0, 50000, (9,), generator=gen).tolist()
+    other = torch.randint(0, 50000, (30,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs = []
+    for joined in (False, True):
+        config = EngineConfig(max_num_seqs=2, max_batch_tokens=8, kv_cache_dtype=kv_dtype,
+                              batch_invariant=True)  # fmt: skip
+        engine = Engine(model, get_tokenizer(), config)
+        engine.add_request("mine", mine, params)
+        got: list = []
+        for step in range(200):
+            if step == 3 and joined:  # its prompt is prefilled 8 tokens a step beside mine
+                engine.add_request("other", other, params)
+            if not engine.has_work():
+                break
+            for ev in engine.step():
+                if ev.request_id == "mine":
+                    got.extend((t, lp.logprob) for t, lp in zip(ev.token_ids, ev.logprobs))
+        runs.append(got)
+    assert len(runs[0]) == 10 and runs[0] == runs[1]
+
+
+def test_a_cache_is_the_models_dtype_or_narrower_than_float32() -> None:
+    assert cache_dtype(torch.float32, None) == torch.float32
+    assert cache_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert cache_dtype(torch.float32, torch.float16) == torch.float16
+    for model_dtype, asked in [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                               (torch.float16, torch.float32)]:  # fmt: skip
+        with pytest.raises(ValueError, match="does not go with a"):
+            cache_dtype(model_dtype, asked)
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 does not go with a bfloat16"):
+        Engine(GPT(ModelConfig(**GPT2)).to(torch.bfloat16), get_tokenizer(),
+               EngineConfig(kv_cache_dtype=torch.float32))  # fmt: skip

@@ -236,6 +236,30 @@ def test_a_float32_step_over_a_narrower_cache_rounds_the_writes_and_nothing_else
         assert torch.equal(alone[0], out[i])
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_paged_decode_takes_float32_over_a_narrower_cache_with_the_one_call_bits(pool_dtype):
+    # a step that also prefills goes through `paged_decode` with q, k, v as the model made them
+    n_head, n_kv, dim, bs = 4, 2, 64, 8
+    _, k32, v32, meta = paged_batch([5, 40, 17], [1, 1, 1], bs, n_head=n_head, head_dim=dim,
+                                    dtype=torch.float32, device="cpu", head_major=True,
+                                    n_kv_head=n_kv)  # fmt: skip
+    qkv = torch.randn(3, (n_head + 2 * n_kv) * dim, generator=torch.Generator().manual_seed(4))
+    heads = qkv.view(3, n_head + 2 * n_kv, dim)
+    q, k_new, v_new = heads[:, :n_head], heads[:, n_head : n_head + n_kv], heads[:, n_head + n_kv :]
+    at = KVWrite.of(meta, bs)
+    pools = [(k32.to(pool_dtype), v32.to(pool_dtype)) for _ in range(2)]
+    one_call = native.native_ops().paged_decode_qkv(
+        qkv, None, None, *pools[0], at.block, at.offset, meta.block_tables, meta.context_lens,
+        n_head, dim**-0.5, torch.float32,
+    )  # fmt: skip
+    split = _step(q.contiguous(), k_new.contiguous(), v_new.contiguous(), *pools[1], meta, 3)
+    assert split.dtype == torch.float32 and torch.equal(split, one_call)
+    assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip(*pools))
+    with pytest.raises(RuntimeError, match="one dtype"):  # any other mix is refused
+        _step(q.to(torch.bfloat16), k_new.to(torch.bfloat16), v_new.to(torch.bfloat16),
+              k32.to(torch.float16), v32.to(torch.float16), meta, 3)  # fmt: skip
+
+
 def test_the_step_without_rotary_positions_takes_q_and_k_as_they_are():
     n_head, n_kv, dim, bs = 4, 4, 16, 8  # GPT-2's shape: no rotation, every head its keys
     _, k, v, meta = paged_batch([5, 12], [1, 1], bs, n_head=n_head, head_dim=dim,

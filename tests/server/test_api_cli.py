@@ -59,6 +59,12 @@ def test_bad_flags_exit_2(args: list[str]) -> None:
     assert "Traceback" not in out.stderr and "error:" in out.stderr
 
 
+def test_a_kv_cache_wider_than_the_model_is_one_line_exit_2_before_loading() -> None:
+    out = run_cli("--model", "shakespeare", "--dtype", "bfloat16", "--kv-cache-dtype", "float32")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert out.stderr.startswith("error: --kv-cache-dtype float32 does not go with a bfloat16")
+
+
 def test_unloadable_checkpoint_exit_2(tmp_path: Path) -> None:
     """The checkpoint fails while loading, after the port is bound: the server stops and the
     process ends with one `error:` line naming the file, and status 2."""
