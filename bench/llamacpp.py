@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
 from bench.host import print_host  # noqa: E402
+from engine.kv_cache import cache_dtype  # noqa: E402
 from model import GPT, load_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from model.dtypes import DTYPES  # noqa: E402
@@ -434,9 +435,11 @@ def engine_config(args: argparse.Namespace, dtype: str = "float32") -> dict:
     """gptserve's EngineConfig fields for weights in `dtype`: no prefix caching; the KV cache
     `--kv-cache-dtype` asks for where it goes with them (a 16-bit cache under float32 weights),
     else the weights' own."""
-    asked = DTYPES.get(args.kv_cache_dtype)
-    fits = asked in (None, DTYPES[dtype]) or dtype == "float32"
-    return {"prefix_caching": False, "kv_cache_dtype": asked if fits else None}
+    try:
+        kv = cache_dtype(DTYPES[dtype], DTYPES.get(args.kv_cache_dtype))
+    except ValueError:
+        kv = None  # the weights' own
+    return {"prefix_caching": False, "kv_cache_dtype": kv}
 
 
 def gguf_file_pair(args: argparse.Namespace, path: Path, blocks: int, threads: int,

@@ -26,13 +26,15 @@ import torch
 
 from engine.block_pool import BlockAllocator, OutOfBlocks
 from engine.prefix_index import PrefixIndex, salt_root
-from kernels.backends import AttentionBackend, KVSpec, select_attention_backend
+from kernels.backends import (
+    NARROWER_POOLS,
+    AttentionBackend,
+    KVSpec,
+    select_attention_backend,
+)
 from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
 
 __all__ = ["BlockAllocator", "KVCache", "OutOfBlocks", "cache_dtype"]
-
-# the caches a float32 model may keep narrower than itself (--kv-cache-dtype)
-NARROWER_CACHES = (torch.float16, torch.bfloat16)
 
 
 def cache_dtype(model_dtype: torch.dtype, asked: torch.dtype | None) -> torch.dtype:
@@ -41,7 +43,7 @@ def cache_dtype(model_dtype: torch.dtype, asked: torch.dtype | None) -> torch.dt
     raises ValueError for any other (a cache wider than its model, or of another 16-bit kind)."""
     if asked is None or asked == model_dtype:
         return model_dtype
-    if model_dtype == torch.float32 and asked in NARROWER_CACHES:
+    if model_dtype == torch.float32 and asked in NARROWER_POOLS:
         return asked
     name = str(model_dtype).removeprefix("torch.")
     raise ValueError(

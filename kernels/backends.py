@@ -42,10 +42,11 @@ from kernels.triton import available as triton_available
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# the pools the compiled one-call decode (`paged_decode_qkv`) reads
-ONE_CALL_POOLS = (torch.float32, torch.float16, torch.bfloat16)
 # the pools narrower than a float32 model that the compiled decodes read with float32 queries
+# (the KV cache dtypes a float32 model may take: engine.kv_cache.cache_dtype)
 NARROWER_POOLS = (torch.float16, torch.bfloat16)
+# the pools the compiled one-call decode (`paged_decode_qkv`) reads
+ONE_CALL_POOLS = (torch.float32, *NARROWER_POOLS)
 
 
 @dataclass(frozen=True)
@@ -246,11 +247,10 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         out_dtype = q.dtype
         # float32 q, k, v over float16/bfloat16 pools go in as they are (the one-call path's
         # arithmetic, `forward_qkv`); any other mix in the pools' dtype
-        narrower = q.dtype == torch.float32 and k_pool.dtype in NARROWER_POOLS
-        if not narrower and not out_dtype == k.dtype == v.dtype == k_pool.dtype:
+        same = out_dtype == k.dtype == v.dtype
+        narrower = same and out_dtype == torch.float32 and k_pool.dtype in NARROWER_POOLS
+        if not narrower and not (same and out_dtype == k_pool.dtype):
             q, k, v = (t.to(k_pool.dtype) for t in (q, k, v))
-        elif narrower:
-            k, v = k.float(), v.float()
         meta, n = plan.decodes, plan.decodes.num_seqs  # one token each
         scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
         out = self._native()(  # (n, H, D)

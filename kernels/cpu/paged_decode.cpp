@@ -355,6 +355,23 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   });
 }
 
+// the step's new keys and values k, v (N, H_kv, D) of S written to the pools of T at their
+// slots (write_block, write_offset), then the first n_seq sequences' queries q (n_seq.., H, D)
+// of S attended over block_tables and context_lens into out (n_seq, H, D) of O
+template <typename S, typename T, typename O>
+void write_then_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& k_pool, const at::Tensor& v_pool,
+                       const at::Tensor& write_block, const at::Tensor& write_offset,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       int64_t n_seq, double scale, at::Tensor& out) {
+  const int64_t* block = write_block.data_ptr<int64_t>();
+  const int64_t* offset = write_offset.data_ptr<int64_t>();
+  write_new<S, T>(k, k_pool, block, offset);
+  write_new<S, T>(v, v_pool, block, offset);
+  attend<S, T, O>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                  context_lens.data_ptr<int32_t>(), n_seq, scale, out);
+}
+
 // the step's slots, (n_tokens,) int64 blocks and offsets, and the tables (B, nb) and context
 // lengths (B,) int32 of its sequences, the first n_seq of them decoding
 void check_step(const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -424,24 +441,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   check_step(k_pool, v_pool, write_block, write_offset, k.size(0), block_tables, context_lens,
              n_decode);
   at::Tensor out = at::empty({n_decode, q.size(1), q.size(2)}, q.options());
-  const int64_t* block = write_block.data_ptr<int64_t>();
-  const int64_t* offset = write_offset.data_ptr<int64_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
   if (narrower) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(pool_dtype, "paged_decode_narrower", [&] {
-      write_new<float, scalar_t>(k, k_pool, block, offset);
-      write_new<float, scalar_t>(v, v_pool, block, offset);
-      attend<float, scalar_t, float>(q, k_pool, v_pool, tables, block_tables.size(1), lens,
-                                     n_decode, scale, out);
+      write_then_attend<float, scalar_t, float>(q, k, v, k_pool, v_pool, write_block,
+                                                write_offset, block_tables, context_lens,
+                                                n_decode, scale, out);
     });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode", [&] {
-    write_new<scalar_t, scalar_t>(k, k_pool, block, offset);
-    write_new<scalar_t, scalar_t>(v, v_pool, block, offset);
-    attend<scalar_t, scalar_t, scalar_t>(q, k_pool, v_pool, tables, block_tables.size(1), lens,
-                                         n_decode, scale, out);
+    write_then_attend<scalar_t, scalar_t, scalar_t>(q, k, v, k_pool, v_pool, write_block,
+                                                    write_offset, block_tables, context_lens,
+                                                    n_decode, scale, out);
   });
   return out;
 }
@@ -520,17 +531,13 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tenso
       }
     }
   });
-  const int64_t* block = write_block.data_ptr<int64_t>();
-  const int64_t* offset = write_offset.data_ptr<int64_t>();
   at::Tensor out = at::empty({n, n_head, dim}, qkv.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, pool_dtype, "paged_decode_qkv_pool", [&] {
     using pool_t = scalar_t;
-    write_new<float, pool_t>(k, k_pool, block, offset);
-    write_new<float, pool_t>(v, v_pool, block, offset);
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "paged_decode_qkv_out", [&] {
-      attend<float, pool_t, scalar_t>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(),
-                                      block_tables.size(1), context_lens.data_ptr<int32_t>(), n,
-                                      scale, out);
+      write_then_attend<float, pool_t, scalar_t>(q, k, v, k_pool, v_pool, write_block,
+                                                 write_offset, block_tables, context_lens, n,
+                                                 scale, out);
     });
   });
   return out;

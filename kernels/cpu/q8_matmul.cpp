@@ -73,9 +73,10 @@ inline IVec dot_add(IVec acc, IVec x_abs, IVec x, IVec w) {
 #define Q8_UNROLL Q8_PRAGMA(GCC unroll 2)
 #endif
 
-// rows quantized per block: xq (M, K) int8, d (M, K / 32) float32
-void quantize_rows(const float* x, int64_t rows, int64_t width, int8_t* xq, float* d) {
-  for (int64_t b = 0; b < rows * width / kBlock; ++b) {
+// `blocks` blocks of 32 floats quantized each on its own: xq (blocks * 32) int8, d (blocks)
+// float32 (rows of K inputs are K / 32 blocks each)
+void quantize_blocks(const float* x, int64_t blocks, int8_t* xq, float* d) {
+  for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
     bool nan = false;
@@ -167,7 +168,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* xp = xc.data_ptr<float>();
   at::parallel_for(0, rows * width / kBlock, 256, [&](int64_t b0, int64_t b1) {
     // each block alone: the threads' shares of blocks change no bit
-    quantize_rows(xp + b0 * kBlock, 1, (b1 - b0) * kBlock, xq.data() + b0 * kBlock, d.data() + b0);
+    quantize_blocks(xp + b0 * kBlock, b1 - b0, xq.data() + b0 * kBlock, d.data() + b0);
   });
   const int8_t* wp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
