@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from engine.engine import Engine
 from engine.limits import EngineLimits
 from engine.sampler import SamplingParams
-from engine.sequence import TokenEvent
+from engine.sequence import SEQUENCE_ERROR, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,10 @@ class AsyncEngine:
             self.engine.add_request(request_id, prompt_ids, params)
         except ValueError as exc:
             self._deliver(
-                [TokenEvent(request_id, i, [], "", [], error=str(exc)) for i in range(params.n)]
+                [
+                    TokenEvent(request_id, i, [], "", [], error=str(exc), error_code=SEQUENCE_ERROR)
+                    for i in range(params.n)
+                ]
             )
 
     def _post(self, command: Callable[[], None]) -> None:
@@ -214,8 +217,8 @@ class AsyncEngine:
                     self._wake.wait(0.1)
                     self._wake.clear()
         except BaseException as exc:  # keep the reason; every waiting client gets an error
-            log.exception("engine thread died")
-            self.dead = f"engine stopped: {exc}"
+            log.exception("engine thread died: %s", exc)
+            self.dead = "the engine thread stopped on an internal error (the server log has details)"
             self._fail_all(self.dead)
             self._report(self.dead)
 
@@ -228,9 +231,8 @@ class AsyncEngine:
         limit = self.max_consecutive_failed_steps
         if self.unhealthy or limit is None or self.consecutive_failed_steps < limit:
             return
-        last = next((e.error for e in events if e.error), "unknown")
         steps = "engine step" if limit == 1 else f"{limit} engine steps in a row"
-        self.unhealthy = f"the last {steps} failed ({last})"
+        self.unhealthy = f"the last {steps} failed (the server log has details)"
         log.error("the engine is unhealthy and takes no more work: %s", self.unhealthy)
         for rid in list(self._streams):
             self.engine.abort(rid)

@@ -15,20 +15,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.grammar import allocate_bitmask, bitmask_to_bool, fill_bitmask
+from engine.grammar import ConstraintViolation, allocate_bitmask, bitmask_to_bool, fill_bitmask
 from engine.kv_cache import KVCache, cache_dtype
 from engine.limits import EngineLimits, RequestError, RequestLimits
 from engine.proposers import make_speculator
 from engine.runner import ModelRunner
-from engine.sampler import SampleRow, SamplingParams, prompt_logprobs, sample
+from engine.sampler import SampleOutput, SampleRow, SamplingParams, prompt_logprobs, sample
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, TokenEvent, TokenLogprob
+from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, Sequence, TokenEvent, TokenLogprob
 from engine.step_plan import ScheduledSeq, StepKind, StepPlan
 from engine.verify import verify
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+# what the requests of a failed step are told; the exception itself goes to the log only, since
+# it may speak of other requests
+STEP_FAILED = "the engine failed while running this request's batch; the server log has details"
 
 
 @dataclass
@@ -170,14 +173,16 @@ class Engine:
                 len(plan.preempted), ", ".join(f"{s.request_id}/{s.index}" for s in plan.preempted),
             )  # fmt: skip
         if not plan.scheduled:
-            return self._fail(list(self.scheduler.running), "the request does not fit the KV cache")
+            return self._fail(
+                list(self.scheduler.running), "the request does not fit the KV cache", SEQUENCE_ERROR
+            )
         try:
             logits = self.runner.run(plan)  # (len(plan.logits_positions), V)
             return self._update(plan, logits)
         except Exception as exc:  # a failed step fails only its own requests
             self.num_failed_steps += 1
-            log.exception("engine step failed")
-            return self._fail([s.seq for s in plan.scheduled], f"model step failed: {exc}")
+            log.exception("engine step failed: %s", exc)
+            return self._fail([s.seq for s in plan.scheduled], STEP_FAILED)
 
     def _propose(self) -> dict[int, list[int]]:
         """Guesses for decoding sequences to verify this step, {seq_id: tokens}, if speculating."""
@@ -196,9 +201,16 @@ class Engine:
         to_sample: list[tuple[Sequence, int]] = []  # (sequence, logits row)
         for part in plan.scheduled:
             seq = part.seq
-            req = self._requests[seq.request_id]
+            req = self._requests.get(seq.request_id)
+            if req is None:  # failed earlier in this loop
+                continue
             if part.kind is StepKind.VERIFY:
-                events.append(self._verify(req, part, logits[part.rows]))
+                try:
+                    events.append(self._verify(req, part, logits[part.rows]))
+                except Exception as exc:  # its detokenizer or stop strings: this request alone
+                    log.exception("request %s failed in verification", req.request_id)
+                    message = f"generation failed: {exc}"
+                    events.extend(self._fail_request(req, message, SEQUENCE_ERROR))
                 continue
             if part.scores_prompt:
                 self._score_prompt(req, seq.num_cached, logits[part.rows])
@@ -240,25 +252,45 @@ class Engine:
         return children
 
     def _sample(self, work: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[TokenEvent]:
+        """Draw each sequence's next token from its logits row and hand it the token. A failure
+        that belongs to one sequence (its grammar, sampler row, detokenizer or stop strings)
+        ends that sequence's request alone; the others take their tokens."""
         rows = [
             SampleRow(s.params, s.token_ids[: s.num_prompt], s.output_ids, s.generator,
                       None if s.constraint else self.eos)  # a grammar decides when it may end
             for s, _ in work
         ]  # fmt: skip
         allowed = None
+        failed: dict[int, tuple[str, str]] = {}  # work index -> (message, error code)
         if any(s.constraint for s, _ in work):  # structured output: a mask row per sequence
             bitmask = allocate_bitmask(len(work), logits.shape[-1])
             fill_bitmask([s.constraint for s, _ in work], bitmask)
             allowed = bitmask_to_bool(bitmask, logits.shape[-1])
+            for i, (s, _) in enumerate(work):
+                if s.constraint is not None and (why := s.constraint.error) is not None:
+                    failed[i] = (why, GRAMMAR_ERROR)
         picked = [r for _, r in work]
         if picked != list(range(len(logits))):  # a decode step samples every row, in order
             logits = logits[torch.tensor(picked, device=logits.device)]
-        out = sample(logits, rows, allowed)
+        out = self._sample_rows(logits, rows, allowed, failed)
         events = []
         for i, (seq, _) in enumerate(work):
-            req = self._requests[seq.request_id]
+            req = self._requests.get(seq.request_id)
+            if req is None:  # a sibling completion failed earlier in this loop
+                continue
+            if i in failed:
+                events.extend(self._fail_request(req, *failed[i]))
+                continue
             token = out.tokens[i]
-            text = seq.append(token, self.end_tokens, self.max_len)
+            try:
+                text = seq.append(token, self.end_tokens, self.max_len)
+            except ConstraintViolation as exc:
+                events.extend(self._fail_request(req, str(exc), GRAMMAR_ERROR))
+                continue
+            except Exception as exc:  # detokenizer, stop strings: this request's own fault
+                log.exception("request %s failed on token %d", req.request_id, token)
+                events.extend(self._fail_request(req, f"generation failed: {exc}", SEQUENCE_ERROR))
+                continue
             lps = []
             if seq.params.logprobs is not None:
                 top = list(zip(out.top_ids[i], out.top_logprobs[i]))
@@ -267,6 +299,33 @@ class Engine:
             if seq.finished:
                 self._retire(req, seq)
         return events
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        allowed: torch.Tensor | None,
+        failed: dict[int, tuple[str, str]],
+    ) -> SampleOutput:
+        """`sample` over the batch; if it raises, row by row, so that the rows that fail alone
+        are marked in `failed` and the others keep their draws (each row is drawn as it would
+        be alone, so their tokens are the same)."""
+        try:
+            return sample(logits, rows, allowed)
+        except Exception:
+            log.exception("sampling the batch failed; sampling its rows one by one")
+        out = SampleOutput([], [], [], [])
+        for i, row in enumerate(rows):
+            try:
+                one = sample(logits[i : i + 1], [row], None if allowed is None else allowed[i : i + 1])
+            except Exception as exc:
+                failed[i] = (f"sampling failed: {exc}", SEQUENCE_ERROR)
+                one = SampleOutput([self.eos], [float("nan")], [[]], [[]])
+            out.tokens += one.tokens
+            out.logprobs += one.logprobs
+            out.top_ids += one.top_ids
+            out.top_logprobs += one.top_logprobs
+        return out
 
     def _verify(self, req: _Request, part: ScheduledSeq, logits: torch.Tensor) -> TokenEvent:
         """Keep the guesses the model agrees with, plus a token of its own (logits (1 + k, V))."""
@@ -330,15 +389,24 @@ class Engine:
         if all(s.finished for s in req.seqs):
             self._requests.pop(req.request_id, None)
 
-    def _fail(self, seqs: list[Sequence], message: str) -> list[TokenEvent]:
+    def _fail(
+        self, seqs: list[Sequence], message: str, code: str | None = None
+    ) -> list[TokenEvent]:
         """End every request that has a sequence in seqs with an error event per completion."""
         events = []
         for rid in dict.fromkeys(s.request_id for s in seqs):
             req = self._requests.get(rid)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if not seq.finished:
-                    events.append(self._event(req, seq, [], "", [], None, error=message))
-            self.abort(rid)
+            if req is not None:
+                events.extend(self._fail_request(req, message, code))
+        return events
+
+    def _fail_request(self, req: _Request, message: str, code: str | None) -> list[TokenEvent]:
+        """End one request: an error event for each of its unfinished completions."""
+        events = []
+        for seq in req.seqs:
+            if not seq.finished:
+                event = self._event(req, seq, [], "", [], None, error=message)
+                event.error_code = code
+                events.append(event)
+        self.abort(req.request_id)
         return events

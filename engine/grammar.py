@@ -38,6 +38,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -62,7 +63,22 @@ JSON_OPTIONS: dict[str, Any] = {
     "lenient": False,  # an unimplemented keyword is an error, never silently ignored
 }
 _SHIFTS = torch.arange(32, dtype=torch.int32)
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # errors name no parser internals
+# The grammar engine's budgets. A lexer state costs work the first time a mask reaches it, and a
+# pathological regex (counted repetitions nested: `a{600}{600}`) makes one mask cost seconds
+# under llguidance's defaults. These caps stop such a grammar within tens of milliseconds (the
+# adversarial set of tests/engine/test_grammar_budget.py; docs/RELIABILITY.md) and are far above
+# what JSON schemas, tool grammars and the regexes people write reach.
+_LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=200_000,  # building the first lexer states (~50k a millisecond)
+    step_lexer_fuel=100_000,  # lexer work in one mask (~14k a millisecond)
+    max_lexer_states=50_000,  # distinct lexer states over a sequence's life
+    max_grammar_size=200_000,  # symbols in the grammar's rules
+    verbose_errors=False,  # errors name no parser internals
+)
+PROBE_TOKENS = 4  # admission walks a grammar's first tokens: most blow-ups show there
+PROBE_BUDGET_S = 0.25  # ... and refuses one whose walk costs more than this
+# a sequence's grammar time over its whole life; past it the sequence (alone) fails
+SEQUENCE_BUDGET_S = 5.0
 
 
 class GrammarError(ValueError):
@@ -74,7 +90,8 @@ class GrammarError(ValueError):
 
 
 class ConstraintViolation(RuntimeError):
-    """A token the constraint did not allow was fed to `advance` (the mask was not applied)."""
+    """A token the constraint did not allow was fed to `advance` (the mask was not applied), or
+    the grammar engine gave up on the sequence (a budget ran out): the sequence cannot go on."""
 
 
 # ---- tokenizer-level data, once per (tokenizer, vocabulary size) ----
@@ -180,7 +197,39 @@ def _compile(kind: str, text: str, vocab_key: tuple[str, int]) -> _Compiled:
     matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=_LIMITS)
     if matcher.is_error():
         raise GrammarError(_clean(matcher.get_error()))
+    _probe(matcher.deep_copy(), vocab)
     return _Compiled(matcher, messages)
+
+
+def _probe(matcher: llguidance.LLMatcher, vocab: llguidance.LLTokenizer) -> None:
+    """Walk the grammar's first PROBE_TOKENS tokens (each time the lowest allowed id that is
+    not EOS) and raise GrammarError if the engine gives up or the walk takes longer than
+    PROBE_BUDGET_S: a grammar too costly to constrain is refused before it reaches a batch."""
+    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    ends = set(vocab.eos_tokens)
+    start = time.perf_counter()
+    for _ in range(PROBE_TOKENS):
+        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+        if matcher.is_error():
+            raise GrammarError(_too_costly(matcher.get_error()))
+        allowed = bitmask_to_bool(bitmask, vocab.vocab_size)[0].nonzero()[:, 0].tolist()
+        token = next((t for t in allowed if t not in ends), None)
+        if matcher.is_stopped() or token is None:
+            return
+        if not matcher.consume_token(token):
+            raise GrammarError(_too_costly(matcher.get_error()))
+        if time.perf_counter() - start > PROBE_BUDGET_S:
+            raise GrammarError(
+                f"too costly to constrain: its first {PROBE_TOKENS} tokens took over "
+                f"{PROBE_BUDGET_S * 1000:.0f} ms"
+            )
+
+
+def _too_costly(message: str) -> str:
+    reason = _clean(message)
+    if "lexer" in reason or "fuel" in reason or "too many" in reason:
+        return f"too costly to constrain ({reason})"
+    return reason
 
 
 def cache_info() -> functools._CacheInfo:
@@ -238,18 +287,34 @@ class Constraint:
         self.kind = kind
         self.vocab_size = vocab_size
         self.eos_token = eos_token
+        self.seconds = 0.0  # spent computing this sequence's masks
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         """Write the allowed-token bits into row `row` of an int32 (B, ceil(V/32)) CPU bitmask.
 
         Bit `t % 32` of word `t // 32` is set when token t is allowed. A finished constraint
-        allows only EOS; a broken one (after a violation) too, so no row is ever all -inf.
+        allows only EOS; a broken one (after a violation or a spent budget: see `error`) too, so
+        no row is ever all -inf.
         """
         _check_bitmask(bitmask, row + 1)
         words = bitmask[row]
+        start = time.perf_counter()
         self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self.seconds += time.perf_counter() - start
         if self._m.is_error():
             _eos_only(bitmask, row, self.eos_token)
+
+    @property
+    def error(self) -> str | None:
+        """Why this sequence cannot go on under its grammar (the engine gave up on it, or its
+        masks took longer than SEQUENCE_BUDGET_S in all), or None. The engine ends such a
+        sequence with this error rather than let an EOS-only row end it with text the grammar
+        does not accept."""
+        if self._m.is_error():
+            return _too_costly(self._m.get_error())
+        if self.seconds > SEQUENCE_BUDGET_S:
+            return f"too costly to constrain: its masks took over {SEQUENCE_BUDGET_S:g} s"
+        return None
 
     def allowed_mask(self) -> torch.Tensor:
         """(V,) bool: True where the next token may be that id."""

@@ -28,6 +28,10 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+GRAMMAR_ERROR = "grammar_too_costly"
+SEQUENCE_ERROR = "request_failed"
+
+
 @dataclass
 class TokenEvent:
     """What one completion produced in one engine step.
@@ -35,7 +39,10 @@ class TokenEvent:
     text is the newly released text (it may lag the tokens while a stop string could be forming);
     text_offsets is, for each of token_ids, where its text begins in the completion's text.
     finish_reason is "stop", "length" or "abort" on the last event of a completion; error is set
-    when the request failed (the completion is then over too).
+    when the request failed (the completion is then over too). error_code says whose failure it
+    was: GRAMMAR_ERROR (its constraint cannot go on: a budget ran out), SEQUENCE_ERROR (something
+    else failed on this request alone: its message is its own) or None (the engine's step failed:
+    the message is generic, the details are in the log).
     """
 
     request_id: str
@@ -45,6 +52,7 @@ class TokenEvent:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
     num_generated: int = 0

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
-from engine.sequence import TokenEvent, TokenLogprob
+from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, TokenEvent, TokenLogprob
 from server.errors import APIError, error_body
 from server.protocol import (
     COMPLETION_ERRORS,
@@ -142,8 +142,17 @@ def _without_masked_alternatives(lp: TokenLogprob) -> TokenLogprob:
     return lp if len(top) == len(lp.top) else TokenLogprob(lp.token, lp.logprob, top)
 
 
-def _engine_error(message: str) -> APIError:
-    return APIError(503, f"the engine failed this request: {message}", code="engine_error")
+def _failed(accepted: AcceptedRequest, choice: Choice) -> APIError:
+    """The error a failed choice ends its request with: its grammar's (400 naming the field),
+    its own (503 with its message) or the engine's (503, a generic message: the cause may speak
+    of other requests and is in the log)."""
+    if choice.error_code == GRAMMAR_ERROR:
+        param = accepted.inputs.constraint_param
+        message = f"{param}: {choice.error}" if param else choice.error
+        return APIError(400, message, param=param, code=GRAMMAR_ERROR)
+    if choice.error_code == SEQUENCE_ERROR:
+        return APIError(503, f"this request failed: {choice.error}", code=SEQUENCE_ERROR)
+    return APIError(503, f"the engine failed this request: {choice.error}", code="engine_error")
 
 
 def _engine_stopped(exc: EngineDeadError) -> APIError:
@@ -267,7 +276,7 @@ async def _collect(accepted: AcceptedRequest, request: Request) -> None:
             async for index, event in events:
                 choice, _, _ = accepted.apply(index, event, prompt_lps)
                 if choice.error is not None:
-                    raise _engine_error(choice.error)
+                    raise _failed(accepted, choice)
     except RequestTimeout:
         accepted.tracker.finish(endpoint, 504)
         raise _timeout_error(accepted.timeout) from None
@@ -332,7 +341,7 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
                 async for index, event in events:
                     choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
                     if choice.error is not None:
-                        raise _engine_error(choice.error)
+                        raise _failed(accepted, choice)
                     text_start, lp_start = held.pop(index, (text_start, lp_start))
                     if (
                         event.finish_reason is None

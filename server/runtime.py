@@ -214,8 +214,8 @@ class ServerState:
     def health(self) -> tuple[int, dict]:
         async_engine = self.async_engine
         if async_engine is None:
-            if self.load_error:
-                return 503, {"status": "failed", "error": self.load_error}
+            if self.load_error:  # /health needs no key: the reason (paths) is in the log
+                return 503, {"status": "failed", "error": "the model failed to load"}
             return 503, {"status": "loading"}
         body = {
             "status": "ok",

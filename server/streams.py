@@ -121,6 +121,7 @@ class Choice:
     offsets: list[int] = field(default_factory=list)  # character offset of each token
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None  # engine.sequence: whose failure the error is
     num_generated: int = 0
     num_cached_tokens: int = 0  # of its prompt's tokens, those read from the prefix cache
     text_base: int = 0  # characters before the generated text (an echoed prompt)
@@ -166,7 +167,7 @@ class ChoiceTracker:
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
         if event.error is not None:
-            choice.error = event.error
+            choice.error, choice.error_code = event.error, event.error_code
 
     @staticmethod
     def _add_logprobs(

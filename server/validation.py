@@ -50,6 +50,7 @@ class EngineInputs:
     include_usage: bool = False  # the stream ends with a usage chunk
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
     tool_format: ToolCallFormat | None = None  # chat with tools: how the answer's calls read
+    constraint_param: str | None = None  # the field whose grammar constrains the output
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -137,13 +138,15 @@ class Validator:
         prompts, texts = self._completion_prompts(req)
         for ids in prompts:
             self._check_fits(ids, max_tokens, "prompt", "max_tokens")
-        self._constrain(req, params)
+        structured = self._constrain(req, params)
         echo = None
         if req.echo:
             echo = [
                 t if t is not None else self.tokenizer.decode(p) for p, t in zip(prompts, texts)
             ]
-        return EngineInputs(prompts, params, bool(req.stream), include_usage, echo)
+        return EngineInputs(
+            prompts, params, bool(req.stream), include_usage, echo, constraint_param=structured
+        )
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         check_model(req.model, self.name)
@@ -172,7 +175,9 @@ class Validator:
         self._check_fits(ids, max_tokens, "messages", param)
         structured = self._constrain(req, params)
         if tools is None or not tools.calls:
-            return EngineInputs([ids], params, bool(req.stream), include_usage)
+            return EngineInputs(
+                [ids], params, bool(req.stream), include_usage, constraint_param=structured
+            )
         if structured is not None:
             raise bad_request(
                 f'{structured} cannot be combined with tools unless tool_choice is "none"',
@@ -180,8 +185,9 @@ class Validator:
             )
         self._constrain_calls(tools, params)
         return EngineInputs(
-            [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format
-        )
+            [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format,
+            constraint_param="tool_choice",
+        )  # fmt: skip
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         check_model(req.model, self.name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine.engine import Engine, EngineConfig, RequestError
+from engine.engine import STEP_FAILED, Engine, EngineConfig, RequestError
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, get_tokenizer
 
@@ -243,7 +243,8 @@ def test_a_failing_step_fails_only_its_requests(model, tok):
         events = engine.step()
     finally:
         engine.model.forward_cached = original
-    assert [ev.error for ev in events] == ["model step failed: boom"]
+    assert [ev.error for ev in events] == [STEP_FAILED]  # "boom" is for the log only
+    assert events[0].error_code is None
     assert engine.num_failed_steps == 1 and not engine.has_work()
     assert engine.cache.num_free_blocks == engine.cache.num_blocks
     engine.add_request("good", tok.encode("x"), SamplingParams(max_tokens=3, ignore_eos=True))
