@@ -65,14 +65,13 @@ JSON_OPTIONS: dict[str, Any] = {
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 # The grammar engine's budgets. A lexer state costs work the first time a mask reaches it, and a
 # pathological regex (counted repetitions nested: `a{600}{600}`) makes one mask cost seconds
-# under llguidance's defaults. These caps stop such a grammar within tens of milliseconds (the
-# adversarial set of tests/engine/test_grammar_budget.py; docs/RELIABILITY.md) and are far above
-# what JSON schemas, tool grammars and the regexes people write reach.
+# under llguidance's defaults. A smaller fuel for building the first lexer states and a cap on
+# their number stop such a grammar within tens of milliseconds (the adversarial set of
+# tests/engine/test_grammar_budget.py; docs/RELIABILITY.md); a step's fuel stays the default
+# (about 15 ms a mask), since less fails a plain `(\w+\s?){1,100}` on ordinary text.
 _LIMITS = llguidance.LLParserLimits(
     initial_lexer_fuel=200_000,  # building the first lexer states (~50k a millisecond)
-    step_lexer_fuel=100_000,  # lexer work in one mask (~14k a millisecond)
     max_lexer_states=50_000,  # distinct lexer states over a sequence's life
-    max_grammar_size=200_000,  # symbols in the grammar's rules
     verbose_errors=False,  # errors name no parser internals
 )
 PROBE_TOKENS = 4  # admission walks a grammar's first tokens: most blow-ups show there
@@ -232,6 +231,9 @@ def _too_costly(message: str) -> str:
     return reason
 
 
+_REFUSED: dict[tuple[str, str, tuple[str, int]], str] = {}  # oldest first, GRAMMAR_CACHE_SIZE
+
+
 def cache_info() -> functools._CacheInfo:
     """Hits, misses and size of the compiled-grammar LRU."""
     return _compile.cache_info()
@@ -239,6 +241,8 @@ def cache_info() -> functools._CacheInfo:
 
 def clear_cache() -> None:
     _compile.cache_clear()
+    with _VOCABS_LOCK:
+        _REFUSED.clear()
 
 
 # ---- specs -> canonical text ----
@@ -369,9 +373,19 @@ def compile_constraint(
     """
     text = _spec_text(kind, spec)
     vocab = grammar_vocab(tokenizer, vocab_size)
-    compiled = _compile(
-        kind, text, (getattr(tokenizer, "fingerprint", tokenizer.name), vocab.vocab_size)
-    )  # a failure is not cached
+    key = (kind, text, (getattr(tokenizer, "fingerprint", tokenizer.name), vocab.vocab_size))
+    with _VOCABS_LOCK:
+        refused = _REFUSED.get(key)
+    if refused is not None:  # a costly refusal is not paid for twice
+        raise GrammarError(refused)
+    try:
+        compiled = _compile(*key)
+    except GrammarError as exc:
+        with _VOCABS_LOCK:
+            _REFUSED[key] = exc.message
+            while len(_REFUSED) > GRAMMAR_CACHE_SIZE:
+                _REFUSED.pop(next(iter(_REFUSED)))
+        raise
     with compiled.lock:
         matcher = compiled.matcher.deep_copy()
     return Constraint(matcher, kind, vocab.vocab_size, tokenizer.eot_token)
