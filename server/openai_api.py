@@ -324,10 +324,12 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
     prompt_lps: dict = {}
     try:
         if accepted.kind == "chat":
+            calls_only = accepted.inputs.calls_only
             opening = [
                 {
                     "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
+                    # null, as in the whole answer, when the answer can only be tool calls
+                    "delta": {"role": "assistant", "content": None if calls_only else ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }

@@ -42,6 +42,11 @@ class ToolRequest:
         """Whether the answer may hold calls (it is then constrained and parsed)."""
         return self.choice != "none"
 
+    @property
+    def calls_only(self) -> bool:
+        """Whether the answer is calls and no text ("required" or a named function)."""
+        return self.calls and self.choice != "auto"
+
     def constraint(
         self, fmt: ToolCallFormat, tokenizer: TextTokenizer, vocab_size: int | None = None
     ) -> Constraint:
@@ -50,7 +55,8 @@ class ToolRequest:
         if self.named is not None:
             functions = [f for f in functions if f.name == self.named]
         mode = "auto" if self.choice == "auto" else "required"
-        grammar = tool_call_grammar(fmt, functions, mode, self.parallel)
+        # a named function is called exactly once (OpenAI's contract, and vLLM's)
+        grammar = tool_call_grammar(fmt, functions, mode, self.parallel and self.named is None)
         try:
             return compile_constraint("lark", grammar, tokenizer, vocab_size=vocab_size)
         except GrammarError as exc:

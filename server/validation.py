@@ -51,6 +51,7 @@ class EngineInputs:
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
     tool_format: ToolCallFormat | None = None  # chat with tools: how the answer's calls read
     constraint_param: str | None = None  # the field whose grammar constrains the output
+    calls_only: bool = False  # chat: the answer is tool calls, never text (content null)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -186,7 +187,7 @@ class Validator:
         self._constrain_calls(tools, params)
         return EngineInputs(
             [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format,
-            constraint_param="tool_choice",
+            constraint_param="tool_choice", calls_only=tools.calls_only,
         )  # fmt: skip
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:

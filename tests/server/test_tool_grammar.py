@@ -158,3 +158,22 @@ def test_a_grammar_that_does_not_build_is_a_grammar_error() -> None:
         compile_constraint("lark", "start: undefined_rule", TOK)
     with pytest.raises(GrammarError, match="Lark grammar"):
         compile_constraint("lark", {"start": 1}, TOK)
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_a_named_function_allows_exactly_one_call(parallel: bool | None) -> None:
+    from server.protocol import ChatCompletionRequest
+    from server.tool_request import read_tools
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "count"}}}  # fmt: skip
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    request = read_tools(ChatCompletionRequest(**body), TOK)
+    constraint = request.constraint(HERMES, TOK)
+    call = '<tool_call>\n{"name":"count","arguments":{"n":1,"tags":[]}}\n</tool_call>'
+    for token in TOK.encode(call):
+        constraint.advance(token)
+    # after one whole call only the end may follow, never a second call
+    assert constraint.allowed_mask().nonzero().flatten().tolist() == [TOK.eot_token]

@@ -245,6 +245,34 @@ def test_arguments_validate_over_30_generated_schemas(chatml: LiveServer) -> Non
                 assert {c["function"]["name"] for c in answer["tool_calls"]} == {f"tool_{i}"}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_named_function_is_called_exactly_once(plain: LiveServer, stream: bool) -> None:
+    # no parallel_tool_calls, as instructor's TOOLS mode sends it: still one call, to that name
+    name = TOOLS[1]["function"]["name"]
+    choice = {"type": "function", "function": {"name": name}}
+    for seed in range(3):
+        answer = ask(
+            plain, stream, messages=USER, tools=TOOLS, tool_choice=choice, seed=seed,
+            temperature=1.0, max_tokens=400,
+        )  # fmt: skip
+        check_calls(answer, SCHEMAS, parallel=False)
+        assert answer["tool_calls"][0]["function"]["name"] == name
+
+
+def test_a_streamed_answer_of_calls_opens_with_null_content(plain: LiveServer) -> None:
+    def opening(choice: object) -> dict:
+        body = {"messages": USER, "tools": TOOLS, "tool_choice": choice, "stream": True,
+                "max_tokens": 300}  # fmt: skip
+        with httpx.stream("POST", f"{plain.url}/v1/chat/completions", json=body, timeout=60) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        return json.loads(first[6:])["choices"][0]["delta"]
+
+    named = {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}
+    assert opening(named) == {"role": "assistant", "content": None}
+    assert opening("required") == {"role": "assistant", "content": None}
+    assert opening("auto") == {"role": "assistant", "content": ""}  # it may answer in text
+
+
 def test_one_call_without_parallel_calls_and_none_means_text(plain: LiveServer) -> None:
     for seed in range(3):
         answer = ask(
