@@ -161,8 +161,9 @@ def _engine_stopped(exc: EngineDeadError) -> APIError:
     return APIError(503, f"the engine {what}: {exc}", code=exc.code)
 
 
-def _timeout_error(seconds: float) -> APIError:
-    return APIError(504, f"the request took longer than {seconds:g} seconds", code="timeout")
+# a request cut short by --request-timeout ends as one cut short by max_tokens: with what it
+# generated and this finish reason, never with nothing after minutes
+TIMEOUT_FINISH = "length"
 
 
 def _check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
@@ -277,9 +278,10 @@ async def _collect(accepted: AcceptedRequest, request: Request) -> None:
                 choice, _, _ = accepted.apply(index, event, prompt_lps)
                 if choice.error is not None:
                     raise _failed(accepted, choice)
-    except RequestTimeout:
-        accepted.tracker.finish(endpoint, 504)
-        raise _timeout_error(accepted.timeout) from None
+    except RequestTimeout:  # what it generated, cut short (--request-timeout)
+        for choice in accepted.tracker.choices:
+            if choice.finish_reason is None and choice.error is None:
+                choice.finish_reason = TIMEOUT_FINISH
     except EngineDeadError as exc:
         accepted.tracker.finish(endpoint, 503)
         raise _engine_stopped(exc) from None
@@ -336,10 +338,10 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
                 for c in accepted.tracker.choices
             ]
             yield sse(accepted.chunk(opening))
+        held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
+        sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
         try:
             async with _events(accepted) as events:
-                held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
-                sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
                 async for index, event in events:
                     choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
                     if choice.error is not None:
@@ -356,8 +358,16 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
                     if piece is not None:
                         sent[index] = choice.num_generated
                         yield sse(accepted.chunk([piece]))
-        except RequestTimeout:
-            raise _timeout_error(accepted.timeout) from None
+        except RequestTimeout:  # each unfinished choice ends here, with what it generated
+            for choice in accepted.tracker.choices:
+                if choice.finish_reason is not None or choice.error is not None:
+                    continue
+                choice.finish_reason = TIMEOUT_FINISH
+                text_start, lp_start = held.pop(choice.index, (len(choice.text), len(choice.lp_tokens)))  # fmt: skip
+                cut = TokenEvent(accepted.id, choice.index, [], "", [], TIMEOUT_FINISH)
+                piece = _delta(accepted, choice, cut, text_start, lp_start)
+                if piece is not None:
+                    yield sse(accepted.chunk([piece]))
         except EngineDeadError as exc:
             raise _engine_stopped(exc) from None
         if accepted.inputs.include_usage:

@@ -245,7 +245,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
-    504: {**_ERROR, "description": "--request-timeout exceeded"},
 }
 SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {

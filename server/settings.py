@@ -178,7 +178,8 @@ class Settings:
         group="limits", low=1,
     )  # fmt: skip
     request_timeout: float = flag(
-        600.0, "seconds per request (504 after)", group="limits", positive=True
+        600.0, "seconds per request: then it ends with what it generated, finish_reason "
+        "length", group="limits", positive=True,
     )
     body_timeout: float = flag(
         30.0, "seconds for a client to send its whole request body (408 after)",

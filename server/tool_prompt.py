@@ -53,6 +53,9 @@ def chat_messages(
     out = []
     for i, message in enumerate(messages):
         calls = _read_calls(message, f"messages[{i}]")
+        if message.content is None and not calls:  # as OpenAI checks it
+            needs = "content or tool_calls" if message.role == "assistant" else "content"
+            raise bad_request(f"messages[{i}]: a {message.role} message needs {needs}", "messages")
         item: dict[str, Any] = {"role": message.role, "content": message_text(message)}
         if message.name:
             item["name"] = message.name

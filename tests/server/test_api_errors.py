@@ -83,6 +83,9 @@ CASES = [
     (H, chat(messages="hi"), 400, "messages"),
     (H, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),
     (H, chat(messages=[{"content": "x"}]), 400, "messages"),
+    (H, chat(messages=[{"role": "user"}]), 400, "messages"),  # a user message needs content
+    (H, chat(messages=[{"role": "system", "content": None}, *USER]), 400, "messages"),
+    (H, chat(messages=[*USER, {"role": "assistant"}]), 400, "messages"),
     (H, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages"),
     (H, chat(messages=[{"role": "user", "content": "go " * 300}]), 400, "messages"),
     (H, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),

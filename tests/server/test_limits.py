@@ -70,7 +70,7 @@ CASES = [
 # limit flags whose cases need a server of their own: flag -> "module::test" that checks it
 COVERED_ELSEWHERE = {
     "max-queue": "test_api_overload::test_queue_full_then_recovers",
-    "request-timeout": "test_faults::test_non_streaming_request_past_the_timeout_is_504",
+    "request-timeout": "test_faults::test_a_whole_request_past_the_timeout_answers_what_it_generated",
     "body-timeout": "test_faults::test_a_body_that_stops_arriving_gets_408_and_frees_its_slot",
 }
 
