@@ -39,8 +39,10 @@ class EngineConfig:
     max_num_seqs: int = 32  # sequences decoding together
     max_batch_tokens: int = 512  # tokens per step (prefill chunk size bound)
     kv_block_size: int = 16  # tokens per KV cache block (page)
-    num_blocks: int | None = None  # None: max_num_seqs full contexts within kv_cache_bytes
+    # None: kv_cache_tokens (None: max_num_seqs full contexts) within kv_cache_bytes
+    num_blocks: int | None = None
     kv_cache_bytes: int = 2 << 30
+    kv_cache_tokens: int | None = None
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (needs a draft model)
     num_speculative_tokens: int = 4  # guesses per sequence and step
@@ -90,7 +92,8 @@ class Engine:
             per_block = KVCache.bytes_per_block(
                 mc.n_layer, mc.kv_heads, mc.head_dim, config.kv_block_size, kv_dtype
             )
-            full = config.max_num_seqs * -(-self.max_len // config.kv_block_size)
+            tokens = config.kv_cache_tokens or config.max_num_seqs * self.max_len
+            full = -(-tokens // config.kv_block_size)
             num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
         self.cache = KVCache.for_model(
             model, num_blocks, config.kv_block_size, dtype=kv_dtype,

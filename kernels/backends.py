@@ -26,6 +26,8 @@ every backend maps query head h to KV head h // group (`kernels.gqa`).
 
 from __future__ import annotations
 
+import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -81,9 +83,7 @@ class AttentionBackend(ABC, Generic[PlanT]):
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed key and value pools, `spec.shape` each; token-major unless a backend says
         otherwise (each slot's heads contiguous, then the block's slots, then the blocks)."""
-        return tuple(
-            torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device) for _ in range(2)
-        )
+        return tuple(zeroed_pool(spec.shape, spec.dtype, spec.device) for _ in range(2))
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata, spec: KVSpec) -> PlanT:
@@ -147,9 +147,23 @@ def _head_major(spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed pools whose every (block, head) is one contiguous (block_size, head_dim) tile,
     seen through the (n_layer, num_blocks, block_size, n_kv_head, head_dim) shape."""
     stored = (spec.n_layer, spec.num_blocks, spec.n_kv_head, spec.block_size, spec.head_dim)
-    return tuple(
-        torch.zeros(stored, dtype=spec.dtype, device=spec.device).transpose(2, 3) for _ in range(2)
-    )
+    return tuple(zeroed_pool(stored, spec.dtype, spec.device).transpose(2, 3) for _ in range(2))
+
+
+def zeroed_pool(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed tensor of `shape`. On a CPU its memory is an anonymous mapping, whose pages the
+    system hands out zeroed when they are first written: a KV pool then takes resident memory as
+    its blocks fill, not all of it at start (torch.zeros would write every page). Elsewhere
+    torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity

@@ -19,12 +19,13 @@ from engine.kv_cache import cache_dtype
 from engine.loader import ModelLoadError, check_load, load_for_inference
 from model import GPT, SHAKESPEARE_DIR
 from model.dtypes import DTYPES
+from model.cpu.malloc_tuning import release_freed_memory
 from model.known_models import FetchError, resolve_model
 from model.tokenizer import TextTokenizer
 from server.chat import ChatFormat, load_chat_format
 from server.errors import APIError
 from server.metrics import Metrics
-from server.settings import Settings
+from server.settings import DEFAULT_KV_CONTEXTS, DEFAULT_KV_TOKENS_PER_SEQ, Settings
 from server.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def load_model(settings: Settings) -> LoadedModel:
     """Load the checkpoint (engine.loader), then its chat template; raises ModelLoadError."""
     preflight(settings)
     try:
-        path = resolve_model(settings.model, warn=log.warning)
+        path = resolve_model(settings.model, warn=log.warning, progress=log.info)
     except FetchError as exc:
         raise ModelLoadError(str(exc)) from None
     loaded = load_for_inference(
@@ -83,6 +84,12 @@ def load_model(settings: Settings) -> LoadedModel:
     fell_back = known is not None and known != "shakespeare" and path == SHAKESPEARE_DIR
     name = settings.served_model_name or ("shakespeare" if fell_back else known) or loaded.name
     return LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
+
+
+def default_kv_tokens(settings: Settings, loaded: LoadedModel) -> int:
+    """The KV pool's tokens without --kv-cache-gb: sized from the model's context."""
+    context = loaded.model.config.context_length
+    return max(DEFAULT_KV_CONTEXTS * context, settings.max_num_seqs * DEFAULT_KV_TOKENS_PER_SEQ)
 
 
 class ServerState:
@@ -143,7 +150,8 @@ class ServerState:
             max_num_seqs=settings.max_num_seqs,
             max_batch_tokens=settings.max_batch_tokens,
             kv_block_size=settings.block_size,
-            kv_cache_bytes=int(settings.kv_cache_gb * (1 << 30)),
+            kv_cache_bytes=int((settings.kv_cache_gb or 2.0) * (1 << 30)),
+            kv_cache_tokens=None if settings.kv_cache_gb else default_kv_tokens(settings, loaded),
             prefix_caching=not settings.no_prefix_cache,
             speculative="draft" if settings.draft_model else settings.speculative,
             num_speculative_tokens=settings.num_speculative_tokens,
@@ -166,9 +174,13 @@ class ServerState:
         if closed:
             async_engine.stop()
             return
+        release_freed_memory()  # what loading and building the engine freed goes back
+        kv_tokens = limits.kv_cache_blocks * limits.kv_block_size
         log.info(
-            "serving %s from %s (context %d tokens, %d KV blocks of %d tokens, %d KV bytes a token)",
-            loaded.name, loaded.path, limits.max_model_len, limits.kv_cache_blocks,
+            "serving %s from %s (context %d tokens; the KV cache holds %d tokens, %.0f MB at "
+            "most: %d blocks of %d tokens, %d bytes a token)",
+            loaded.name, loaded.path, limits.max_model_len, kv_tokens,
+            kv_tokens * async_engine.kv_bytes_per_token / 1e6, limits.kv_cache_blocks,
             limits.kv_block_size, async_engine.kv_bytes_per_token,
         )  # fmt: skip
 

@@ -25,6 +25,10 @@ GROUPS = {
     "limits": "request limits (each enforced with an OpenAI-shaped error)",
 }
 LIMITS_GROUP = GROUPS["limits"]
+# without --kv-cache-gb the KV pool holds this many full contexts, or this many tokens for each
+# of --max-num-seqs sequences where that is more (at most 2 GiB)
+DEFAULT_KV_CONTEXTS = 2
+DEFAULT_KV_TOKENS_PER_SEQ = 512
 
 
 class SettingsError(ValueError):
@@ -115,8 +119,11 @@ class Settings:
         512, "tokens per engine step (prefill chunk bound)", group="engine", low=1
     )
     block_size: int = flag(16, "tokens per KV cache block", group="engine", low=1)
-    kv_cache_gb: float = flag(
-        2.0, "KV cache memory bound (GiB); a request larger than the pool is a 400",
+    kv_cache_gb: float | None = flag(
+        None, f"KV cache size (GiB); a request larger than the pool is a 400. Default: "
+        f"{DEFAULT_KV_CONTEXTS} of the model's full contexts or {DEFAULT_KV_TOKENS_PER_SEQ} "
+        "tokens for each of --max-num-seqs, whichever is more, at most 2 GiB. On a CPU the pool "
+        "takes memory as its blocks are first written, not at start",
         group="engine", positive=True,
     )  # fmt: skip
     kv_cache_dtype: str = flag(

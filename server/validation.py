@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from engine.grammar import grammar_vocab
 from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
 from engine.sampler import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
@@ -98,11 +97,6 @@ class Validator:
     name: str  # the served model's name
     tokenizer: Tokenizer
     template: ChatFormat
-
-    def __post_init__(self) -> None:
-        # the grammar engine's view of the vocabulary (0.15 s for GPT-2): built here, at startup,
-        # rather than on the first structured-output request
-        grammar_vocab(self.tokenizer, self.limits.vocab_size)
 
     @functools.cached_property
     def tool_format(self) -> ToolCallFormat:

@@ -104,10 +104,15 @@ def native_ops() -> Any | None:
             except OSError:  # cut short while it was written: build it again
                 built.unlink()
         _clear_stale_lock(built.parent)
-        log.info("compiling the CPU kernels for this host (once: about 20 s)")
         sources = [str(p) for p in SOURCES]
+        log.info(
+            "compiling the CPU kernels for this host (%s, -march=%s; once, then cached)",
+            ", ".join(p.name for p in SOURCES), arch,
+        )  # fmt: skip
+        start = time.perf_counter()
         flags = [*FLAGS, f"-march={arch}"]
         load(name, sources, flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - start)
         return torch.ops.gptserve_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: use PyTorch operations
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

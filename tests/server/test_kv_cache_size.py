@@ -36,9 +36,42 @@ def test_metrics_and_the_startup_line_give_the_kv_bytes_a_token(
         per_token = 2 * 2 * 2 * 16 * itemsize
         assert f"gptserve_kv_cache_bytes_per_token {float(per_token)}" in metrics.render().decode()
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
-        assert len(lines) == 1 and f", {per_token} KV bytes a token)" in lines[0]
+        assert len(lines) == 1 and f", {per_token} bytes a token)" in lines[0]
+        # no --kv-cache-gb: the larger of 2 full contexts and 512 tokens for each of 2 sequences
+        tokens = max(2 * 64, 2 * 512)
+        assert f"the KV cache holds {tokens} tokens, {tokens * per_token / 1e6:.0f} MB at most" in lines[0]  # fmt: skip
+        assert state.async_engine.limits.kv_cache_blocks * 16 == tokens
     finally:
         state.stop()
+
+
+def test_kv_cache_gb_sets_the_pool_and_the_default_follows_the_context(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=2048)), tmp_path / "m")
+    for flags, blocks in [({}, 2 * 2048 // 16), ({"kv_cache_gb": 0.001}, 0.001 * 2**30 // (16 * 2 * 2 * 32 * 4))]:  # fmt: skip
+        state = ServerState(Settings(model=str(tmp_path / "m"), max_num_seqs=4, **flags), Metrics())
+        state.start_loading().join(120)
+        try:
+            assert state.ready, state.load_error
+            assert state.async_engine.limits.kv_cache_blocks == blocks
+        finally:
+            state.stop()
+
+
+def test_a_cpu_pool_takes_memory_as_it_is_written() -> None:
+    from kernels.backends import zeroed_pool
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident()
+    pool = zeroed_pool((4, 4096, 16, 4, 64), torch.float32, "cpu")  # 256 MiB
+    assert pool.shape == (4, 4096, 16, 4, 64) and pool.is_contiguous()
+    assert resident() - before < 32 << 20  # not touched at start
+    pool[0, :64] = 1.0  # 64 blocks of one layer: 1 MiB
+    assert resident() - before < 48 << 20
+    assert pool[0, :64].eq(1).all() and pool[1:].count_nonzero() == 0
 
 
 def test_a_kv_cache_dtype_the_server_does_not_have_is_a_one_line_error(
