@@ -1,7 +1,7 @@
 # A runnable image of the server with the bundled default model.
 #   docker build -t gptserve .
-#   docker run -p 8000:8000 gptserve
-#   docker run -p 8000:8000 -v /path/to/ckpt:/model -e GPTSERVE_MODEL=/model gptserve
+#   docker run -p 8000:8000 -e GPTSERVE_API_KEYS=choose-a-key gptserve
+#   docker run -p 8000:8000 -e GPTSERVE_API_KEYS=choose-a-key -v /path/to/ckpt:/model -e GPTSERVE_MODEL=/model gptserve
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -23,7 +23,8 @@ import uvicorn
 
 from server.app import create_app
 from server.runtime import ModelLoadError, preflight
-from server.settings import Settings, SettingsError, settings_from_args
+from server.hosts import is_loopback
+from server.settings import API_KEYS_ENV, Settings, SettingsError, settings_from_args
 
 
 def bind(settings: Settings) -> socket.socket:
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not is_loopback(settings.host) and not settings.api_keys:
+        logging.getLogger("server").warning(
+            "binding %s with no API key: anyone who can reach this port can use the model; "
+            "set --api-key KEY (or %s)", settings.host, API_KEYS_ENV,
+        )  # fmt: skip
     app = create_app(settings)
     config = uvicorn.Config(
         app,

@@ -20,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, bad_request, install_error_handlers
+from server.hosts import host_allowed
 from server.metrics import Metrics
 from server.openai_api import router as openai_router
 from server.protocol import (
@@ -85,6 +86,18 @@ class AdmissionControl:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
+        host = dict(scope["headers"]).get(b"host")
+        settings = self.settings
+        if not host_allowed(host and host.decode("latin-1"), settings.host, settings.allowed_hosts):
+            err = APIError(
+                403,
+                "this server is bound to a loopback address and answers only loopback host "
+                "names (a guard against DNS rebinding); start it with --allowed-host NAME to "
+                "answer another",
+                code="host_not_allowed",
+            )
+            await err.response()(scope, receive, send)
+            return
         if self.keys and path.startswith(_AUTH_PREFIXES):
             tenant = self._tenant(scope)
             if tenant is None:

@@ -64,7 +64,14 @@ class Settings:
         "a checkpoint directory, a GGUF file, or a known model's name: "
         "smollm2-135m-instruct (the default; fetched once) or shakespeare (bundled)",
     )
-    host: str = flag("127.0.0.1", "address to bind")
+    host: str = flag(
+        "127.0.0.1", "address to bind; on a loopback address only loopback Host headers are "
+        "answered (see --allowed-host); on another, set --api-key",
+    )  # fmt: skip
+    allowed_hosts: list[str] = flag(
+        [], "a Host header name answered besides the loopback names when --host is a loopback "
+        "address (repeatable; * answers any): a reverse proxy's name", name="allowed-host",
+    )  # fmt: skip
     port: int = flag(8000, "port to bind", low=0, high=65535)
     api_keys: list[str] = flag(
         [], f"accepted Bearer key (repeatable; also {API_KEYS_ENV}, comma-separated); none: open",
