@@ -218,7 +218,9 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as exc:  # keep the reason; every waiting client gets an error
             log.exception("engine thread died: %s", exc)
-            self.dead = "the engine thread stopped on an internal error (the server log has details)"
+            self.dead = (
+                "the engine thread stopped on an internal error (the server log has details)"
+            )
             self._fail_all(self.dead)
             self._report(self.dead)
 

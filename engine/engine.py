@@ -177,7 +177,9 @@ class Engine:
             )  # fmt: skip
         if not plan.scheduled:
             return self._fail(
-                list(self.scheduler.running), "the request does not fit the KV cache", SEQUENCE_ERROR
+                list(self.scheduler.running),
+                "the request does not fit the KV cache",
+                SEQUENCE_ERROR,
             )
         try:
             logits = self.runner.run(plan)  # (len(plan.logits_positions), V)
@@ -320,7 +322,9 @@ class Engine:
         out = SampleOutput([], [], [], [])
         for i, row in enumerate(rows):
             try:
-                one = sample(logits[i : i + 1], [row], None if allowed is None else allowed[i : i + 1])
+                one = sample(
+                    logits[i : i + 1], [row], None if allowed is None else allowed[i : i + 1]
+                )
             except Exception as exc:
                 failed[i] = (f"sampling failed: {exc}", SEQUENCE_ERROR)
                 one = SampleOutput([self.eos], [float("nan")], [[]], [[]])

@@ -22,8 +22,8 @@ import sys
 import uvicorn
 
 from server.app import create_app
-from server.runtime import ModelLoadError, preflight
 from server.hosts import is_loopback
+from server.runtime import ModelLoadError, preflight
 from server.settings import API_KEYS_ENV, Settings, SettingsError, settings_from_args
 
 

@@ -18,8 +18,8 @@ from engine.engine import Engine, EngineConfig
 from engine.kv_cache import cache_dtype
 from engine.loader import ModelLoadError, check_load, load_for_inference
 from model import GPT, SHAKESPEARE_DIR
-from model.dtypes import DTYPES
 from model.cpu.malloc_tuning import release_freed_memory
+from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
 from model.tokenizer import TextTokenizer
 from server.chat import ChatFormat, load_chat_format

@@ -97,7 +97,9 @@ class Settings:
         "none", "weight quantization at load: int8 = int8 weights, a scale per output channel, "
         "for the layer matrices and the head, their input rows rounded to 8 bits per block of 32 "
         "on a CPU (there with --dtype float32 or bfloat16); none "
-        "keeps a GGUF file's own bits on a CPU; dequantize = a GGUF file's weights as float",
+        "keeps a GGUF file's Q4_0, Q4_1, Q4_K and Q8_0 matrices at their own bits on a CPU "
+        "(Q5_K and Q6_K become int8 rows, requantized); dequantize = a GGUF file's weights as "
+        "float",
         choices=("none", "int8", "dequantize"),
     )  # fmt: skip
     log_level: str = flag(
@@ -192,8 +194,10 @@ class Settings:
         group="limits", low=1,
     )  # fmt: skip
     request_timeout: float = flag(
-        600.0, "seconds per request: then it ends with what it generated, finish_reason "
-        "length", group="limits", positive=True,
+        600.0,
+        "seconds per request: then it ends with what it generated, finish_reason length",
+        group="limits",
+        positive=True,
     )
     body_timeout: float = flag(
         30.0, "seconds for a client to send its whole request body (408 after)",
@@ -259,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line, made from the Settings fields."""
     parser = argparse.ArgumentParser(
         prog="python -m server",
-        description="Serve a gptserve or Hugging Face GPT-2 checkpoint over an OpenAI-compatible API.",
+        description="Serve a GPT-2 or Llama-family model (SmolLM2-135M-Instruct by default; a "
+        "train.py directory, a Hugging Face directory or a GGUF file) over an OpenAI-compatible "
+        "API.",
         formatter_class=_HelpFormatter,
     )
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}

@@ -3,6 +3,7 @@
     python train.py --data shakespeare.txt --out runs/shakespeare --max-steps 2000
     python train.py --out runs/shakespeare --resume            # continue a killed run
     python train.py --data ... --out ... --resume auto         # continue it if there is one
+    python train.py --data ... --out runs/shakespeare --overwrite  # start that run over
     torchrun --nproc_per_node 2 train.py --data ... --out ...  # DistributedDataParallel
     python train.py --arch llama --data ... --out ...          # a Llama-shaped model
     python train.py --init-from DIR --data ... --out ...       # fine-tune DIR (ours or HF)
@@ -119,7 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="auto",
         help="continue the run in --out; 'auto': continue it if there is one, else start",
     )
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out that holds a run or a model (without it, that is an error)",
+    )
     return p
+
+
+def _check_out_is_free(out: Path) -> None:
+    """A new run never replaces what --out holds by accident: a run (train_state.pt) or a model."""
+    if (out / STATE_FILE).is_file():
+        held = "a run"
+    elif (out / "config.json").is_file():
+        held = "a model"
+    else:
+        return
+    raise TrainError(
+        f"--out {out} holds {held}; --resume continues it, --overwrite starts over in it, or "
+        "choose another --out"
+    )
 
 
 def _check_arch_flags(given: dict[str, Any]) -> None:
@@ -139,7 +159,14 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     if not given.get("out"):
         raise TrainError("--out DIR is required")
     mode = given.pop("resume", None)
+    overwrite = given.pop("overwrite", False)
+    if mode is not None and overwrite:
+        raise TrainError(
+            "--resume continues the run in --out and --overwrite starts over: not both"
+        )
     resume = mode is True or (mode == "auto" and (Path(given["out"]) / STATE_FILE).is_file())
+    if not resume and not overwrite:
+        _check_out_is_free(Path(given["out"]))
     settings: dict[str, Any] = {}
     if resume:
         saved = read_saved_flags(Path(given["out"]))

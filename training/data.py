@@ -205,3 +205,14 @@ def prepare_data(
 def _tokenized(data: Path, cache_dir: Path, tokenizer: str, source: Path | None) -> tuple[str, int]:
     path = tokenize_cached(find_text_files(data), cache_dir, tokenizer, source=source)
     return path.name, path.stat().st_size
+
+
+def data_fingerprint(tokens: np.ndarray, samples: int = 64, span: int = 1 << 15) -> str:
+    """What the tokens are, in 16 hex digits: their count and `samples` evenly spaced runs of
+    `span` tokens, hashed (milliseconds for any size). A run stores it, and --resume checks that
+    it continues on the same data."""
+    h = hashlib.sha256(f"{len(tokens)}:{tokens.dtype}".encode())
+    step = max(1, len(tokens) // samples)
+    for start in range(0, len(tokens), step):
+        h.update(np.ascontiguousarray(tokens[start : start + span]).tobytes())
+    return h.hexdigest()[:16]

@@ -26,12 +26,11 @@ from training.checkpointing import (
     set_rng_state,
 )
 from training.config import TrainConfig, model_flags
-from training.data import BatchSampler, prepare_data, split_tokens
+from training.data import BatchSampler, data_fingerprint, prepare_data, split_tokens
 from training.distributed import (
     Dist,
     all_gather,
     on_every_rank,
-    on_rank0,
     same_on_every_rank,
     wait_for_every_rank,
 )
@@ -40,7 +39,6 @@ from training.metrics import LOSS_PLOT, METRICS_FILE, append_metrics, plot_losse
 from training.setup import (
     autocast_for,
     build_model,
-    check_out_dir,
     load_run_tokenizer,
     pick_device,
     tokenizer_dir,
@@ -70,8 +68,6 @@ def train(cfg: TrainConfig, info: Dist) -> None:
         "every node must see --out on a shared filesystem",
     )
     vocab_size = get_tokenizer("gpt2").vocab_size
-    if not cfg.resume and cfg.init_from is None:  # before the slow parts
-        on_rank0(lambda: check_out_dir(out, cfg.model_config(vocab_size)), info)
     model = on_every_rank(lambda: build_model(cfg, vocab_size, state))
     # The model's tokenizer: GPT-2's, or a checkpoint's own, whose files every checkpoint carries.
     tok_dir = tokenizer_dir(cfg, model.config)
@@ -79,6 +75,12 @@ def train(cfg: TrainConfig, info: Dist) -> None:
     tokenizer_files = on_every_rank(lambda: read_tokenizer_files(tok_dir) if info.master else {})
     block_size = on_every_rank(lambda: train_window(cfg, model.config))
     tokens = prepare_data(cfg.data, cfg.token_cache, info, model.config.tokenizer, tok_dir)
+    fingerprint = data_fingerprint(tokens)
+    if state is not None and state.get("data_fingerprint", fingerprint) != fingerprint:
+        raise TrainError(
+            f"--resume: --data {cfg.data} is not the data the run in {out} was trained on; "
+            f"resume with that data, or train on this data with --init-from {out} --out NEW_DIR"
+        )
     train_tokens, val_tokens = split_tokens(tokens, block_size, cfg.val_fraction)
     model.to(device)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
@@ -210,6 +212,7 @@ def train(cfg: TrainConfig, info: Dist) -> None:
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "ranks": ranks,
+                "data_fingerprint": fingerprint,
             }
             atomic_torch_save(train_state, out / STATE_FILE)
             plot_losses(metrics, out / LOSS_PLOT)

@@ -4,18 +4,16 @@ window; the --out directory check."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from model import GPT, CheckpointError, ConfigError, ModelConfig, load_checkpoint
+from model import GPT, CheckpointError, ModelConfig, load_checkpoint
 from model.dtypes import DTYPES
 from model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
-from training.checkpointing import STATE_FILE
-from training.config import TrainConfig, arch
+from training.config import TrainConfig
 from training.distributed import Dist
 from training.errors import TrainError
 
@@ -107,25 +105,3 @@ def load_run_tokenizer(config: ModelConfig, directory: Path | None) -> TextToken
             f"{config.vocab_size}"
         )
     return tok
-
-
-def check_out_dir(out: Path, config: ModelConfig) -> None:
-    """Refuse to start a new run over a different model in --out."""
-    cfg = out / "config.json"
-    if not cfg.is_file():
-        return
-    try:
-        existing = ModelConfig.from_json(cfg)
-    except ConfigError:
-        return
-    diff = [k for k, v in arch(config).items() if arch(existing)[k] != v]
-    if diff:
-        k = diff[0]
-        raise TrainError(
-            f"--out {out} holds a different model ({k}={getattr(existing, k)}, this run "
-            f"{getattr(config, k)}); use another --out, --resume it, or --init-from it"
-        )
-    if (out / STATE_FILE).is_file():
-        print(
-            f"note: {out} holds a run; starting over (use --resume to continue it)", file=sys.stderr
-        )

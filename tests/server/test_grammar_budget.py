@@ -60,7 +60,9 @@ def _stream_tokens(url: str) -> tuple[str, float]:
             "stream": True}  # fmt: skip
     start, text = time.monotonic(), []
     headers = {"Authorization": f"Bearer {KEY_A}"}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

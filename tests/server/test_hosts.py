@@ -38,7 +38,11 @@ def test_which_hosts_are_answered(header, bind, allowed, answered) -> None:
 
 
 def test_host_names_and_loopback() -> None:
-    assert host_name("[::1]:80") == "::1" and host_name("a.b:80") == "a.b" and host_name("::1") == "::1"
+    assert (
+        host_name("[::1]:80") == "::1"
+        and host_name("a.b:80") == "a.b"
+        and host_name("::1") == "::1"
+    )
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
 
@@ -52,7 +56,9 @@ def test_a_rebound_name_is_refused_and_a_loopback_name_answered(tiny_checkpoint:
             assert r.status_code == 403, path
             assert r.json()["error"]["code"] == "host_not_allowed"
         body = {"prompt": "a", "max_tokens": 2}
-        r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"Host": "evil.test"}, timeout=10)
+        r = httpx.post(
+            f"{live.url}/v1/completions", json=body, headers={"Host": "evil.test"}, timeout=10
+        )
         assert r.status_code == 403
     settings = Settings(model=str(tiny_checkpoint), allowed_hosts=["proxy.example"])
     with live_server(settings) as live:

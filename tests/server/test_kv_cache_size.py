@@ -47,7 +47,9 @@ def test_metrics_and_the_startup_line_give_the_kv_bytes_a_token(
 
 def test_kv_cache_gb_sets_the_pool_and_the_default_follows_the_context(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    save_checkpoint(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=2048)), tmp_path / "m")
+    save_checkpoint(
+        GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=2048)), tmp_path / "m"
+    )
     for flags, blocks in [({}, 2 * 2048 // 16), ({"kv_cache_gb": 0.001}, 0.001 * 2**30 // (16 * 2 * 2 * 32 * 4))]:  # fmt: skip
         state = ServerState(Settings(model=str(tmp_path / "m"), max_num_seqs=4, **flags), Metrics())
         state.start_loading().join(120)

@@ -93,6 +93,9 @@ def test_greedy_answer_streams_into_an_assistant_bubble(page: Page, server_url: 
     expect(page.locator("#panel-chat")).to_be_visible()  # the chat is what a user sees first
     expect(page.locator("#panel-completion")).to_be_hidden()
     expect(page.locator("#tab-chat")).to_have_attribute("aria-selected", "true")
+    # a bounded answer by default: a chat that never ends would run to the request timeout
+    expect(page.locator("#chat_max_tokens")).to_have_value("512")
+    expect(page.locator("#chat_max_tokens")).to_have_attribute("placeholder", "512")
     sent = chat_requests(page)
     settings(page, chat_temperature="0", chat_max_tokens="24")
     # a slow link, so the stream's events reach the page in several reads even when the tiny

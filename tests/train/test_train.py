@@ -468,13 +468,19 @@ def test_errors_are_one_line(
         "is empty": ["--data", str(empty), "--out", str(tmp_path / "o")],
         "has no .txt files": ["--data", str(tmp_path / "nofiles"), "--out", str(tmp_path / "o")],
         "too few for --block-size 32": ["--data", str(short), "--out", str(tmp_path / "o")],
-        "holds a different model (n_layer=2, this run 3)": [
+        "holds a run; --resume continues it, --overwrite starts over in it": [
             "--data",
             str(data_slice),
             "--out",
             str(trained),
             "--n-layer",
             "3",
+        ],
+        "--resume continues the run in --out and --overwrite starts over: not both": [
+            "--out",
+            str(trained),
+            "--resume",
+            "--overwrite",
         ],
         "divisible by n_head": [
             "--data",

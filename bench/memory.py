@@ -1,0 +1,149 @@
+"""Resident memory of the default start: `python -m server` with no flags, then a few chats.
+
+    python bench/memory.py [--chats 5] [--max-tokens 128] [--rounds 1]
+
+Starts the server as a user would (the default model, SmolLM2-135M-Instruct's Q4_1 GGUF file,
+fetched once), reads the process's resident size (VmRSS) once it is healthy and after each of
+`--chats` distinct chat requests, and prints them against the budget of issue "safe to expose"
+(1.5 x the file + 350 MB). In the same run it measures two baselines on the same file and chats:
+the server with the old 2 GiB pool (`--kv-cache-gb 2`), and, where llama-cpp-python is installed
+(`pip install -e '.[bench]'`), llama.cpp holding the model's full 8192-token context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.host import print_host  # noqa: E402
+from model.known_models import DEFAULT_MODEL_NAME, fetch_known_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three rivers in Europe.",
+    "What is 12 times 7?",
+    "Name a famous painter and one of their works.",
+    "How do bees make honey?",
+    "Give me a tip for learning to code.",
+]
+LLAMA_CHILD = """
+import json, sys
+from llama_cpp import Llama
+path, max_tokens, questions = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+llm = Llama(model_path=path, n_ctx=8192, n_threads=2, verbose=False)
+seen = [rss()]
+for q in questions:
+    llm.create_chat_completion([{"role": "user", "content": q}], max_tokens=max_tokens, temperature=0)
+    seen.append(rss())
+print(json.dumps(seen))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def server_side(flags: list[str], questions: list[str], max_tokens: int) -> list[int]:
+    """VmRSS (KiB) of `python -m server FLAGS` once healthy, then after each chat."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited: {proc.stderr.read().decode()[-500:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not become healthy in 600 s")
+            time.sleep(0.2)
+        seen = [rss_kib(proc.pid)]
+        for q in questions:
+            body = {"messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
+                    "temperature": 0}  # fmt: skip
+            post(f"{url}/v1/chat/completions", body)
+            seen.append(rss_kib(proc.pid))
+        return seen
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def llama_side(path: Path, questions: list[str], max_tokens: int) -> list[int] | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    done = subprocess.run(
+        [sys.executable, "-c", LLAMA_CHILD, str(path), str(max_tokens), json.dumps(questions)],
+        capture_output=True, text=True, timeout=1200, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chats", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args()
+    print_host(bandwidth=False)
+    path = fetch_known_model(DEFAULT_MODEL_NAME)
+    file_mb = path.stat().st_size / 1e6
+    budget_mb = 1.5 * file_mb + 350
+    questions = (QUESTIONS * (args.chats // len(QUESTIONS) + 1))[: args.chats]
+    rows = [
+        ("gptserve, default start", server_side([], questions, args.max_tokens)),
+        ("gptserve --kv-cache-gb 2", server_side(["--kv-cache-gb", "2"], questions, args.max_tokens)),
+        ("llama.cpp, n_ctx 8192", llama_side(path, questions, args.max_tokens)),
+    ]
+    print(f"\n{path.name}: {file_mb:.1f} MB; budget 1.5 x file + 350 MB = {budget_mb:.0f} MB")
+    print(f"{args.chats} chats of at most {args.max_tokens} tokens, greedy\n")
+    print(f"| {'side':28} | healthy (MB) | after the chats (MB) | within the budget |")
+    print(f"|{'-' * 30}|--------------|----------------------|-------------------|")
+    for name, seen in rows:
+        if seen is None:
+            print(f"| {name:28} | not installed (pip install -e '.[bench]') | | |")
+            continue
+        start, end = seen[0] * 1024 / 1e6, seen[-1] * 1024 / 1e6
+        ok = "yes" if end < budget_mb else "no"
+        print(f"| {name:28} | {start:12.0f} | {end:20.0f} | {ok:17} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
