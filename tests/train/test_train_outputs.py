@@ -121,8 +121,8 @@ def test_metrics_start_over_fresh_and_append_on_resume(
     rows = [json.loads(line) for line in lines[4:]]
     assert [r["step"] for r in rows] == [5, 6]
     assert rows[0]["train_loss"] < 12 and "val_loss" in rows[1]  # the resumed run's own rows
-    # A new run (no --resume) in the same directory starts the file over.
-    run([*base, "--max-steps", "2"], capsys)
+    # A new run over it (--overwrite) starts the file over.
+    run([*base, "--max-steps", "2", "--overwrite"], capsys)
     assert [json.loads(line)["step"] for line in metrics_lines(out)] == [1, 2]
 
 
