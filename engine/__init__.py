@@ -6,11 +6,13 @@ over the paged KV cache (`kv_cache.py`, its blocks in `block_pool.py`, prompt re
 `prefix_index.py`), and the engine samples (`sampler.py`, with `grammar.py` masks and `verify.py`
 for speculative guesses from `proposers.py`) and turns the tokens into events on each
 `Sequence`. `async_engine.py` drives it from a thread for the server;
-`loader.py` builds a servable model from a checkpoint; `limits.py` says what one request may ask
-(the engine and the server check the same rules); `python -m engine` generates offline.
+`loader.py` builds a servable model from a checkpoint; `limits.py` admits a request (every limit
+in one call, `RequestLimits.admit`, made once by the server or by `Engine.add_request`; a refusal
+is one `RequestError` from `errors.py`); `python -m engine` generates offline.
 """
 
-from engine.engine import Engine, EngineConfig, RequestError
-from engine.sampler import SamplingError, SamplingParams
+from engine.engine import Engine, EngineConfig
+from engine.errors import RequestError
+from engine.sampler import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "RequestError", "SamplingError", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "RequestError", "SamplingParams"]

@@ -128,12 +128,13 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[TokenEvent]:
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        admitted: bool = False,
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """Events of one request until all its n completions end. Closing the iterator aborts it.
 
-        The request is checked by server.validation before it comes here; should the engine still
-        refuse it, every completion gets one error event.
+        admitted: the server admitted it (`engine.limits`) and the engine takes it unchecked;
+        else the engine checks it, and should it refuse it every completion gets one error event.
         """
         if self.dead:
             raise EngineDeadError(self.dead)
@@ -143,7 +144,7 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), queue, params.n)
         with self._lock:  # += and -= from two threads would lose updates
             self.pending_adds += 1
-        self._post(lambda: self._add(request_id, prompt_ids, params))
+        self._post(lambda: self._add(request_id, prompt_ids, params, admitted))
         remaining = params.n
         try:
             while remaining:
@@ -160,7 +161,9 @@ class AsyncEngine:
         """Free the request's sequences before the next engine step."""
         self._post(lambda: self.engine.abort(request_id))
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, admitted: bool
+    ) -> None:
         with self._lock:
             self.pending_adds -= 1
         if request_id not in self._streams:  # the client left before the engine saw it
@@ -169,7 +172,7 @@ class AsyncEngine:
             self._deliver(_errors(request_id, params.n, self.unhealthy))
             return
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            self.engine.add_request(request_id, prompt_ids, params, admitted=admitted)
         except ValueError as exc:
             self._deliver(
                 [
@@ -188,7 +191,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = engine = self._build()
-            self.limits = EngineLimits.of(engine)
+            self.limits = engine.limits
         except BaseException as exc:
             self._build_error = exc
             return

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.engine import Engine, EngineConfig, RequestError
+from engine.engine import Engine, EngineConfig
+from engine.errors import RequestError
 from engine.loader import ModelLoadError, load_for_inference
-from engine.sampler import SamplingError, SamplingParams
+from engine.sampler import SamplingParams
 from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
 from model.quantize import QUANTIZATIONS
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(loaded.model, tokenizer, config)
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
-    except (ModelLoadError, FetchError, SamplingError, RequestError, RuntimeError,
+    except (ModelLoadError, FetchError, RequestError, RuntimeError,
             ValueError) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import RequestError
 from engine.grammar import ConstraintViolation, allocate_bitmask, bitmask_to_bool, fill_bitmask
 from engine.kv_cache import KVCache, cache_dtype
-from engine.limits import EngineLimits, RequestError, RequestLimits
+from engine.limits import EngineLimits, RequestLimits
 from engine.proposers import make_speculator
 from engine.runner import ModelRunner
 from engine.sampler import SampleOutput, SampleRow, SamplingParams, prompt_logprobs, sample
@@ -118,11 +119,16 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises RequestError or SamplingError if it can never run."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+        admitted: bool = False,
+    ) -> None:  # fmt: skip
+        """Queue a request; raises RequestError if it can never run. admitted: the caller has
+        run `RequestLimits.admit` on it already (the server does), so it is not checked again."""
         if request_id in self._requests:
             raise RequestError(f"duplicate request id {request_id!r}")
-        self.check_request(prompt_ids, params)
+        if not admitted:
+            RequestLimits(self.limits).admit([prompt_ids], params)
         seqs = [
             Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, self.tokenizer)
             for i in range(params.n)
@@ -130,10 +136,15 @@ class Engine:
         self._requests[request_id] = _Request(request_id, list(prompt_ids), params, seqs)
         self.scheduler.add(seqs[0])
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError or SamplingError if the request can never run (engine.limits); a
-        temperature too small to divide by becomes greedy. Reads no engine state that changes."""
-        RequestLimits(EngineLimits.of(self)).check_request(prompt_ids, params)
+    @property
+    def limits(self) -> EngineLimits:
+        """What this engine can take: context, vocabulary, KV pool (fixed once built)."""
+        return EngineLimits(
+            max_model_len=self.max_len,
+            vocab_size=self.model.config.vocab_size,
+            kv_block_size=self.config.kv_block_size,
+            kv_cache_blocks=self.cache.num_blocks,
+        )
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks at once; False if it is unknown or finished."""

@@ -21,18 +21,10 @@ from typing import Any
 
 import torch
 
+from engine.errors import RequestError
 from kernels.cpu.native import logit_stats_op
 
 MAX_LOGPROBS = 20
-
-
-class SamplingError(ValueError):
-    """A sampling parameter out of range; `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
 
 
 @dataclass
@@ -63,11 +55,11 @@ class SamplingParams:
     cache_salt: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
-        """Raise SamplingError naming the first bad field; returns self."""
+        """Raise RequestError naming the first bad field; returns self."""
 
         def check(ok: bool, param: str, message: str) -> None:
             if not ok:
-                raise SamplingError(param, message)
+                raise RequestError(f"{param} {message}", param)
 
         def finite(x: float) -> bool:
             return isinstance(x, (int, float)) and math.isfinite(x)

@@ -6,7 +6,7 @@ with its `{"name", "schema", "strict"}` wrapper), vLLM's `structured_outputs` (`
 `guided_choice`. This module reads those fields, refuses what this server cannot build, allows at
 most one, and hands `engine.grammar` an already-decided spec (a JSON schema, a regular
 expression or a list of choices). Every error names the request field at fault
-(`StructuredOutputError.param`); `server.validation` answers it with a 400.
+(`RequestError.param`); `server.validation` answers it with a 400.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.errors import RequestError
 from engine.grammar import (
     JSON_OBJECT_SCHEMA,
     Constraint,
@@ -42,15 +43,6 @@ UNSUPPORTED_STRUCTURED = {
     "whitespace_pattern": "whitespace_pattern is not supported: JSON is written without whitespace",
 }
 SCHEMA_NAME = re.compile(r"[\w-]{1,64}")  # OpenAI's rule for json_schema.name
-
-
-class StructuredOutputError(ValueError):
-    """A structured-output field this server cannot honour; `param` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -98,8 +90,8 @@ class StructuredAsk:
         except GrammarError as exc:
             raise self.error(exc.message) from None
 
-    def error(self, message: str) -> StructuredOutputError:
-        return StructuredOutputError(self.param, f"{self.where}: {message}")
+    def error(self, message: str) -> RequestError:
+        return RequestError(f"{self.where}: {message}", self.param)
 
 
 @dataclass(frozen=True)
@@ -114,9 +106,9 @@ class RequestedConstraint:
 def constraint_from_fields(
     fields: StructuredFields, tokenizer: TextTokenizer, vocab_size: int | None = None
 ) -> RequestedConstraint | None:
-    """The constraint a parsed request body asks for, or None; raises StructuredOutputError."""
+    """The constraint a parsed request body asks for, or None; raises RequestError."""
     if fields.guided_grammar is not None:
-        raise StructuredOutputError("guided_grammar", "guided_grammar is not supported")
+        raise RequestError("guided_grammar is not supported", "guided_grammar")
     asks: list[StructuredAsk] = []
     response_format = fields.response_format
     if response_format is not None and response_format.type == "json_object":
@@ -156,9 +148,9 @@ def constraint_from_request(
         elif rf_type == "json_object":
             asks.append(StructuredAsk("response_format", "response_format", "json_object", None))
         elif rf_type != "text":
-            raise StructuredOutputError(
-                "response_format",
+            raise RequestError(
                 "response_format must be an object whose type is text, json_object or json_schema",
+                "response_format",
             )
     guided = {"guided_json": guided_json, "guided_regex": guided_regex,
               "guided_choice": guided_choice}  # fmt: skip
@@ -172,12 +164,12 @@ def _structured_outputs(structured: StructuredOutputs) -> list[StructuredAsk]:
     param = "structured_outputs"
     for key, message in UNSUPPORTED_STRUCTURED.items():
         if getattr(structured, key) is not None:
-            raise StructuredOutputError(param, f"structured_outputs.{key}: {message}")
+            raise RequestError(f"structured_outputs.{key}: {message}", param)
     if structured.disable_additional_properties:
-        raise StructuredOutputError(
-            param,
+        raise RequestError(
             "structured_outputs.disable_additional_properties is not supported; "
             "set additionalProperties: false in the schema",
+            param,
         )
     asks: list[StructuredAsk] = []
     if structured.json_ is not None:
@@ -189,8 +181,8 @@ def _structured_outputs(structured: StructuredOutputs) -> list[StructuredAsk]:
     if structured.json_object:
         asks.append(StructuredAsk(param, "structured_outputs.json_object", "json_object", None))
     if not asks:
-        raise StructuredOutputError(
-            param, "structured_outputs needs one of json, regex, choice or json_object"
+        raise RequestError(
+            "structured_outputs needs one of json, regex, choice or json_object", param
         )
     return asks
 
@@ -203,8 +195,8 @@ def _compile_one(
         return None
     if len(asks) > 1:
         names = " and ".join(ask.where for ask in asks[:2])
-        raise StructuredOutputError(
-            asks[1].param, f"at most one structured-output constraint per request; got {names}"
+        raise RequestError(
+            f"at most one structured-output constraint per request; got {names}", asks[1].param
         )
     ask = asks[0]
     return RequestedConstraint(ask.kind, ask.param, ask.compile(tokenizer, vocab_size))

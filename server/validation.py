@@ -1,12 +1,12 @@
 """The request boundary: a parsed request body in, engine inputs out, or a 400 naming the field.
 
-pydantic (server.protocol) checks the shape and types of a body; everything else a request must
-satisfy is checked here, once: the server's caps (`Settings`) and the engine's limits
-(`AsyncEngine.limits`: context length, vocabulary, KV pool), both through `engine.limits`, the
-sampler's ranges, the structured-output fields (`server.structured_request`) and the OpenAI
-rules between fields. What leaves `Validator.completion` or `Validator.chat` fits the engine;
-the engine's own check behind it (the same `engine.limits`) is a guard, not a second source of
-errors.
+pydantic (server.protocol) checks the shape and types of a body. Here the HTTP fields become
+the engine's inputs (prompts as token ids, `SamplingParams`), with the OpenAI rules between
+fields and the structured-output fields (`server.structured_request`); every limit (the server's
+caps from `Settings`, the engine's context, vocabulary and KV pool, the sampler's ranges) is then
+checked in one call, `RequestLimits.admit` (engine.limits), whose `RequestError` becomes a 400
+naming the field. What leaves `Validator.completion` or `Validator.chat` is admitted: the engine
+takes it unchecked.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
-from engine.sampler import SamplingError, SamplingParams
+from engine.errors import RequestError
+from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
+from engine.sampler import SamplingParams
 from model.tokenizer import Tokenizer
 from server.chat import ChatFormat
 from server.errors import APIError, bad_request
@@ -31,7 +32,7 @@ from server.protocol import (
 )
 from server.request_fields import check_extra_fields
 from server.settings import Settings
-from server.structured_request import StructuredOutputError, constraint_from_fields
+from server.structured_request import constraint_from_fields
 from server.tool_formats import ToolCallFormat, format_for_template
 from server.tool_prompt import chat_messages
 from server.tool_request import ToolRequest, read_tools
@@ -65,11 +66,12 @@ def check_model(requested: str | None, served: str) -> None:
 
 @contextmanager
 def limit_as_400() -> Iterator[None]:
-    """A request limit's violation (engine.limits) as a 400 naming the field."""
+    """A RequestError (engine.limits, engine.sampler, server.structured_request) as a 400
+    naming the field."""
     try:
         yield
     except RequestError as exc:
-        raise bad_request(str(exc), exc.param, code=exc.code) from None
+        raise bad_request(exc.message, exc.param, code=exc.code) from None
 
 
 def encode_text(
@@ -110,7 +112,17 @@ class Validator:
         return RequestLimits(
             self.limits, max_n=settings.max_n, max_tokens=settings.max_tokens_limit,
             max_prompt_tokens=settings.max_prompt_tokens, max_logprobs=settings.max_logprobs,
+            max_prompts=settings.max_prompts, max_stop=settings.max_stop,
+            max_stop_length=settings.max_stop_length, max_logit_bias=settings.max_logit_bias,
         )  # fmt: skip
+
+    def _admit(
+        self, prompts: list[list[int]], params: SamplingParams, names: FieldNames,
+        constrained: bool,
+    ) -> AdmittedRequest:  # fmt: skip
+        """Every limit, in one call (engine.limits); a violation is a 400 naming the field."""
+        with limit_as_400():
+            return self.request_limits.admit(prompts, params, names, constrained)
 
     # ---- endpoints ------------------------------------------------------------------------
 
@@ -123,17 +135,16 @@ class Validator:
             raise bad_request("best_of is not supported (only 1)", "best_of")
         include_usage = self._stream_options(req)
         logprobs = req.logprobs
-        if logprobs is not None:
-            self._logprobs_within_limit(logprobs, "logprobs")
-        max_tokens = self._max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.request_limits.default_max_tokens(DEFAULT_COMPLETION_MAX_TOKENS)
         params = self._sampling_params(
             req, max_tokens, logprobs,
             prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
         )  # fmt: skip
         prompts, texts = self._completion_prompts(req)
-        for ids in prompts:
-            self._check_fits(ids, max_tokens, "prompt", "max_tokens")
-        structured = self._constrain(req, params)
+        self._admit(prompts, params, FieldNames(), req.asks_for_structure)
+        structured = self._constrain(req, params)  # last: a new grammar costs milliseconds
         echo = None
         if req.echo:
             echo = [
@@ -149,8 +160,6 @@ class Validator:
         tools = read_tools(req, self.tokenizer, self.limits.vocab_size)
         include_usage = self._stream_options(req)
         top = req.top_logprobs
-        if top is not None:
-            self._logprobs_within_limit(top, "top_logprobs")
         if top and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         ids = self._chat_prompt(req, tools)
@@ -160,16 +169,18 @@ class Validator:
         )
         if value is not None and value < 1:
             raise bad_request(f"{param} must be at least 1", param)
-        # by default the completion may fill the context, but no more than the KV pool holds (a
-        # pool smaller than one context would otherwise refuse every chat request without it)
-        room = min(self.limits.max_model_len, self.limits.kv_cache_tokens) - len(ids)
-        max_tokens = self._max_tokens(value, max(1, room), param)
-        params = self._sampling_params(
-            req, max_tokens, (top or 0) if req.logprobs else None, extra_stop=self.template.stop
-        )
-        self._check_fits(ids, max_tokens, "messages", param)
-        structured = self._constrain(req, params)
-        if tools is None or not tools.calls:
+        if value is None:
+            # by default the completion may fill the context, but no more than the KV pool holds
+            # (a pool smaller than one context would otherwise refuse every chat without it)
+            room = min(self.limits.max_model_len, self.limits.kv_cache_tokens) - len(ids)
+            value = self.request_limits.default_max_tokens(max(1, room))
+        params = self._sampling_params(req, value, (top or 0) if req.logprobs else None)
+        calls = tools is not None and tools.calls
+        names = FieldNames("messages", param, "top_logprobs")
+        self._admit([ids], params, names, calls or req.asks_for_structure)
+        params.stop += [x for x in self.template.stop if x]  # the template's own, not counted
+        structured = self._constrain(req, params)  # last: a new grammar costs milliseconds
+        if not calls:
             return EngineInputs(
                 [ids], params, bool(req.stream), include_usage, constraint_param=structured
             )
@@ -178,7 +189,9 @@ class Validator:
                 f'{structured} cannot be combined with tools unless tool_choice is "none"',
                 structured,
             )
-        self._constrain_calls(tools, params)
+        params.constraint = tools.constraint(
+            self.tool_format, self.tokenizer, self.limits.vocab_size
+        )
         return EngineInputs(
             [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format,
             constraint_param="tool_choice", calls_only=tools.calls_only,
@@ -208,8 +221,6 @@ class Validator:
             items = list(prompt)
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
-        if len(items) > self.settings.max_prompts:
-            raise bad_request(f"at most {self.settings.max_prompts} prompts per request", "prompt")
         ids: list[list[int]] = []
         texts: list[str | None] = []
         for item in items:
@@ -239,14 +250,6 @@ class Validator:
         if any(not self.tokenizer.is_valid(t) for t in ids):
             raise bad_request(f"token ids must be in [0, {self.tokenizer.vocab_size})", param)
 
-    def _check_fits(self, ids: list[int], max_tokens: int, prompt: str, tokens: str) -> None:
-        """The prompt within --max-prompt-tokens, prompt + max_tokens within the context and
-        within the whole KV pool; `prompt` and `tokens` name the two fields."""
-        with limit_as_400():
-            self.request_limits.check_fits(len(ids), max_tokens, prompt, tokens)
-
-    # ---- sampling -------------------------------------------------------------------------
-
     def _stream_options(self, req: SamplingFields) -> bool:
         """Whether a stream ends with a usage chunk; stream_options needs stream: true."""
         if req.stream_options is None:
@@ -257,32 +260,19 @@ class Validator:
             )
         return req.stream_options.include_usage
 
-    def _logprobs_within_limit(self, value: int, param: str) -> None:
-        with limit_as_400():
-            self.request_limits.check_logprobs(value, param)
-
-    def _max_tokens(self, value: int | None, default: int, param: str) -> int:
-        with limit_as_400():
-            return self.request_limits.max_tokens_or_default(value, default, param)
-
     def _sampling_params(
         self,
         req: SamplingFields,
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
-        extra_stop: tuple[str, ...] = (),
     ) -> SamplingParams:
-        """The fields both endpoints share -> SamplingParams, within the limits and the
-        sampler's ranges."""
-        vocab = self.limits.vocab_size
-        n = 1 if req.n is None else req.n
-        with limit_as_400():
-            self.request_limits.check_n(n)
+        """The fields both endpoints share -> SamplingParams (checked by admission)."""
         top_k = 0 if req.top_k is None else req.top_k
-        if top_k >= vocab:
+        if top_k >= self.limits.vocab_size:
             top_k = 0  # keeping the whole vocabulary is no truncation
-        params = SamplingParams(
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=top_k,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -294,72 +284,29 @@ class Validator:
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens or 0,
-            stop=self._stop_strings(req.stop) + [x for x in extra_stop if x],
+            stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            n=n,
+            n=1 if req.n is None else req.n,
             cache_salt=req.cache_salt,  # joined with the API key's tenant by the caller
         )
-        try:
-            params.validate(vocab)
-        except SamplingError as exc:
-            raise bad_request(f"{exc.param} {exc.message}", exc.param) from None
-        return snap_tiny_temperature(params)
 
     # ---- structured output ----------------------------------------------------------------
 
     def _constrain(self, req: StructuredFields, params: SamplingParams) -> str | None:
-        """Compile the request's structured-output constraint (if any) onto params; last, after
-        the cheap checks, since a new schema costs milliseconds to compile. Returns the field
-        that asked for it."""
-        try:
+        """Compile the request's structured-output constraint (if any) onto params; returns the
+        field that asked for it."""
+        with limit_as_400():
             asked = constraint_from_fields(req, self.tokenizer, self.limits.vocab_size)
-        except StructuredOutputError as exc:
-            raise bad_request(exc.message, exc.param) from None
         params.constraint = None if asked is None else asked.constraint
-        if params.constraint is not None and params.min_tokens and params.stop_token_ids:
-            # min_tokens bans the stop tokens, and the grammar may allow nothing else
-            raise bad_request(
-                "stop_token_ids cannot be combined with min_tokens in a structured-output request",
-                "stop_token_ids",
-            )
         return None if asked is None else asked.param
 
-    def _constrain_calls(self, tools: ToolRequest, params: SamplingParams) -> None:
-        """The answer's tool calls constrained by their grammar (server.tool_grammar)."""
-        params.constraint = tools.constraint(
-            self.tool_format, self.tokenizer, self.limits.vocab_size
-        )
-        if params.min_tokens and params.stop_token_ids:
-            raise bad_request(
-                "stop_token_ids cannot be combined with min_tokens in a request with tools",
-                "stop_token_ids",
-            )
-
-    def _stop_strings(self, stop: str | list[str] | None) -> list[str]:
-        settings = self.settings
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > settings.max_stop:
-            raise bad_request(f"at most {settings.max_stop} stop strings", "stop")
-        for text in stops:
-            if not text:
-                raise bad_request("stop strings must not be empty", "stop")
-            if len(text) > settings.max_stop_length:
-                raise bad_request(
-                    f"stop strings are limited to {settings.max_stop_length} characters", "stop"
-                )
-        return stops
-
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
-        if not bias:
-            return {}
-        limit = self.settings.max_logit_bias
-        if len(bias) > limit:
-            raise bad_request(f"at most {limit} logit_bias entries", "logit_bias")
+        """JSON's string keys as token ids (their count and range are admission's)."""
         out = {}
-        for key, value in bias.items():
+        for key, value in (bias or {}).items():
             try:
                 out[int(key)] = value
             except ValueError:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
+from engine.errors import RequestError
 from engine.kv_cache import KVCache
-from engine.sampler import SamplingError, SamplingParams
+from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, get_tokenizer
 
 BLOCK = 4
@@ -66,7 +67,7 @@ def test_salts_that_differ_only_in_how_they_are_written_are_distinct() -> None:
 
 
 def test_the_engine_rejects_an_empty_salt() -> None:
-    with pytest.raises(SamplingError, match="cache_salt"):
+    with pytest.raises(RequestError, match="cache_salt"):
         SamplingParams(cache_salt="").validate()
 
 

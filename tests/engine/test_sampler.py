@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from engine.errors import RequestError
 from engine.sampler import (
     SampleRow,
-    SamplingError,
     SamplingParams,
     apply_penalties,
     draw_distribution,
@@ -173,7 +173,7 @@ def test_a_row_without_truncation_keeps_its_whole_distribution_beside_a_top_p_ro
     ],
 )
 def test_validation_names_the_field(kw, param):
-    with pytest.raises(SamplingError) as err:
+    with pytest.raises(RequestError) as err:
         SamplingParams(**kw).validate(vocab_size=10)
     assert err.value.param == param
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.errors import RequestError
 from model import get_tokenizer
 from server.protocol import CompletionRequest
 from server.structured_request import (
-    StructuredOutputError,
     constraint_from_fields,
     constraint_from_request,
 )
@@ -33,13 +33,13 @@ def tok():
     ],
 )
 def test_bad_schema_names_the_field_it_came_in(tok, schema):
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         wrapper = {"name": "x", "schema": schema}
         constraint_from_request(
             tok, response_format={"type": "json_schema", "json_schema": wrapper}
         )
     assert err.value.param == "response_format"
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, guided_json=schema)
     assert err.value.param == "guided_json"
 
@@ -49,14 +49,14 @@ def test_bad_schema_names_the_field_it_came_in(tok, schema):
     [None, [], {"name": "x"}, {"name": "x", "schema": True}, {"name": "bad name!", "schema": {}}],
 )
 def test_bad_json_schema_wrapper(tok, spec):
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, response_format={"type": "json_schema", "json_schema": spec})
     assert err.value.param == "response_format"
 
 
 @pytest.mark.parametrize("pattern", ["((", "a{3,2}", "(?<=a)b", r"(a)\1", r"\bword", "[z-a]"])
 def test_bad_regex(tok, pattern):
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, guided_regex=pattern)
     assert err.value.param == "guided_regex"
     assert "\n" not in err.value.message
@@ -64,7 +64,7 @@ def test_bad_regex(tok, pattern):
 
 @pytest.mark.parametrize("choices", [[], "yes", ["a", 1]])
 def test_bad_choice(tok, choices):
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, guided_choice=choices)
     assert err.value.param == "guided_choice"
 
@@ -77,15 +77,15 @@ def test_from_request(tok):
     schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
     assert constraint_from_request(tok, response_format=schema).kind == "json_schema"
     assert constraint_from_request(tok, guided_json='{"type": "boolean"}').kind == "json"
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, guided_json="{not json")
     assert err.value.param == "guided_json"
     assert constraint_from_request(tok, guided_regex="a+").kind == "regex"
     assert constraint_from_request(tok, guided_choice=["a"]).kind == "choice"
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, response_format={"type": "xml"})
     assert err.value.param == "response_format"
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_request(tok, guided_regex="a", guided_choice=["a"])
     assert err.value.param == "guided_choice"
 
@@ -121,7 +121,7 @@ def test_a_parsed_body_asks_the_same_ways(tok):
     ],
 )  # fmt: skip
 def test_a_parsed_body_is_refused_naming_the_field(tok, fields, param, words):
-    with pytest.raises(StructuredOutputError) as err:
+    with pytest.raises(RequestError) as err:
         constraint_from_fields(body(**fields), tok)
     assert err.value.param == param and words in err.value.message
     assert "\n" not in err.value.message
