@@ -62,10 +62,11 @@ import kernels.cpu.decode as cpu_decode  # noqa: E402
 import kernels.cpu.products as cpu_products  # noqa: E402
 import kernels.sdpa_paged as sdpa_paged  # noqa: E402
 from bench.host import print_host  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
+from engine.block_manager import BlockManager  # noqa: E402
 from kernels.backends import CpuPagedBackend  # noqa: E402
 from kernels.cpu.native import native_ops  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.paged_kv import KVPools  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.cpu import optimize_for_cpu  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
@@ -133,11 +134,12 @@ def linear_rows() -> list[Row]:
 
 def attention_rows(batch: int) -> list[Row]:
     torch.manual_seed(0)
-    cache = KVCache(12, 12, 64, num_blocks=batch * 12 + 8, block_size=16)
+    cache = KVPools(12, 12, 64, num_blocks=batch * 12 + 8, block_size=16)
+    blocks = BlockManager(batch * 12 + 8, 16)
     cache.k.normal_(), cache.v.normal_()
     lens = torch.randint(150, 193, (batch,)).tolist()
-    cache.prepare([(i, n - 1) for i, n in enumerate(lens)])
-    step = cache.prepare([(i, 1) for i in range(batch)])  # a decode step
+    blocks.prepare([(i, n - 1) for i, n in enumerate(lens)])
+    step = blocks.prepare([(i, 1) for i in range(batch)]).meta  # a decode step
     q = torch.randn(batch, 12, 64)
     token_major = [(cache.k[i].contiguous(), cache.v[i].contiguous()) for i in range(12)]
     default_group = sdpa_paged.GROUP_BYTES
@@ -185,7 +187,7 @@ def shared_prefix_rows(batch: int = 8, shared: int = 64, private: int = 20) -> l
 
     def pool(n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = (torch.randn(12, n_blocks, 12, 16, 64).transpose(2, 3) for _ in range(2))
-        return k, v  # head-major, as KVCache stores them: (layers, blocks, 16, H, 64)
+        return k, v  # head-major, as KVPools stores them: (layers, blocks, 16, H, 64)
 
     # before: each holder has its own copy of the prefix, spread over the pool: gathered
     spread = [[3 * (i * per_seq + j) for j in range(per_seq)] for i in range(batch)]
@@ -246,25 +248,27 @@ def prefill_step_row(new: list[int], lens: list[int], shared: int) -> Row:
     run. The "before" side's cache backend has the cascade switched off."""
     torch.manual_seed(0)
     model = optimize_for_cpu(GPT(ModelConfig(block_size=2048)).eval())
-    cache = KVCache.for_model(model, shared + 16 * len(new), 16)
+    cache = KVPools.for_model(model, shared + 16 * len(new), 16)
+    blocks = BlockManager(shared + 16 * len(new), 16)
 
     def forward(batch: list[tuple[int, int]]) -> None:
-        meta = cache.prepare(batch)
-        tokens = torch.randint(0, 50000, (meta.num_tokens,))
+        step = blocks.prepare(batch)
+        cache.copy_blocks(step.copies)
+        tokens = torch.randint(0, 50000, (step.meta.num_tokens,))
         with torch.inference_mode():
-            model.forward_cached(tokens, cache, meta)
+            model.forward_cached(tokens, cache, step.meta)
 
     for _ in range(shared * 16 // 512):  # the prefix, then each sequence's history
         forward([(0, 512)])
     for i, (n, m) in enumerate(zip(lens, new), start=1):
-        cache.fork(0, i)
+        blocks.fork(0, i)
         forward([(i, n - m - shared * 16)])
 
     def step(cascade: bool) -> None:
         cache.backend = CpuPagedBackend(cascade=cascade)  # the same pool layout either way
         forward([(i, m) for i, m in enumerate(new, start=1)])
         for i, (n, m) in enumerate(zip(lens, new), start=1):
-            cache.truncate(i, n - m)
+            blocks.truncate(i, n - m)
 
     return ("prefill step, GPT-2 124M", "gather + SDPA -> cascade", *alternate(
         lambda: step(False), lambda: step(True)))  # fmt: skip

@@ -171,7 +171,7 @@ class StepTimer:
 def step_breakdown(engine: Engine, prompt: list[int], new: int, device: str) -> dict[str, float]:
     timer = StepTimer(device)
     originals = [
-        (engine.cache, "prepare", timer.wrap(engine.cache, "prepare", "cache bookkeeping")),
+        (engine.blocks, "prepare", timer.wrap(engine.blocks, "prepare", "cache bookkeeping")),
         (
             engine.model,
             "forward_cached",
@@ -183,7 +183,7 @@ def step_breakdown(engine: Engine, prompt: list[int], new: int, device: str) -> 
         total, _ = run_engine(engine, [prompt], new, device)
     finally:
         for owner, name, original in originals:
-            if owner is engine.model or owner is engine.cache:
+            if owner is engine.model or owner is engine.blocks:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)

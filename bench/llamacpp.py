@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
 from bench.host import print_host  # noqa: E402
-from engine.kv_cache import cache_dtype  # noqa: E402
+from kernels.paged_kv import cache_dtype  # noqa: E402
 from model import GPT, load_checkpoint  # noqa: E402
 from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from model.dtypes import DTYPES  # noqa: E402

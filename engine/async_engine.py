@@ -119,7 +119,7 @@ class AsyncEngine:
     @property
     def kv_bytes_per_token(self) -> int:
         """Key and value bytes one cached token takes: layers x KV heads x head dim x dtype."""
-        return self.engine.cache.bytes_per_token
+        return self.engine.pools.bytes_per_token
 
     @property
     def num_requests(self) -> int:
@@ -258,9 +258,9 @@ class AsyncEngine:
 
     def _counts(self) -> tuple[int, ...]:
         """The engine's running totals that StepStats reports per step."""
-        cache, spec = self.engine.cache, self.engine.speculator
+        blocks, spec = self.engine.blocks, self.engine.speculator
         guesses = (spec.proposed_tokens, spec.accepted_tokens) if spec else (0, 0)
-        return (self.engine.num_preemptions, cache.prefix_queried_tokens, cache.prefix_hit_tokens,
+        return (self.engine.num_preemptions, blocks.prefix_queried_tokens, blocks.prefix_hit_tokens,
                 *guesses)  # fmt: skip
 
     def _deliver(self, events: list[TokenEvent]) -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_manager import BlockManager
 from engine.errors import RequestError
 from engine.grammar import ConstraintViolation, allocate_bitmask, bitmask_to_bool, fill_bitmask
-from engine.kv_cache import KVCache, cache_dtype
 from engine.limits import EngineLimits, RequestLimits
 from engine.proposers import make_speculator
 from engine.runner import ModelRunner
@@ -26,6 +26,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, Sequence, TokenEvent, TokenLogprob
 from engine.step_plan import ScheduledSeq, StepKind, StepPlan
 from engine.verify import verify
+from kernels.paged_kv import KVPools, cache_dtype
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
 
@@ -54,7 +55,7 @@ class EngineConfig:
     # the KV cache's dtype; None: the model's. float16 or bfloat16 under a float32 model halves
     # the cache's bytes (twice the tokens in kv_cache_bytes, half the decode attention's reads)
     # at the cost of rounding each cached key and value; any other dtype than the model's is a
-    # ValueError (`engine.kv_cache.cache_dtype`)
+    # ValueError (`kernels.paged_kv.cache_dtype`)
     kv_cache_dtype: torch.dtype | None = None
 
 
@@ -90,18 +91,24 @@ class Engine:
         kv_dtype = cache_dtype(next(floats, param.dtype), config.kv_cache_dtype)
         num_blocks = config.num_blocks
         if num_blocks is None:
-            per_block = KVCache.bytes_per_block(
+            per_block = KVPools.bytes_per_block(
                 mc.n_layer, mc.kv_heads, mc.head_dim, config.kv_block_size, kv_dtype
             )
             tokens = config.kv_cache_tokens or config.max_num_seqs * self.max_len
             full = -(-tokens // config.kv_block_size)
             num_blocks = max(1, min(full, config.kv_cache_bytes // per_block))
-        self.cache = KVCache.for_model(
+        # the pools' memory and attention are the runner's; which block holds what, the
+        # scheduler's (engine.block_manager)
+        self.pools = KVPools.for_model(
             model, num_blocks, config.kv_block_size, dtype=kv_dtype,
-            prefix_caching=config.prefix_caching, batch_invariant=config.batch_invariant,
+            batch_invariant=config.batch_invariant,
         )  # fmt: skip
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batch_tokens)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.blocks = BlockManager(
+            num_blocks, config.kv_block_size, self.pools.device,
+            prefix_caching=config.prefix_caching,
+        )  # fmt: skip
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens)
+        self.runner = ModelRunner(self.model, self.pools)
         if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:
             raise ValueError("the draft model must use the model's tokenizer")
         self.speculator = make_speculator(
@@ -143,7 +150,7 @@ class Engine:
             max_model_len=self.max_len,
             vocab_size=self.model.config.vocab_size,
             kv_block_size=self.config.kv_block_size,
-            kv_cache_blocks=self.cache.num_blocks,
+            kv_cache_blocks=self.blocks.num_blocks,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -173,7 +180,7 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.cache.num_free_blocks / self.cache.num_blocks
+        return 1.0 - self.blocks.num_free_blocks / self.blocks.num_blocks
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -193,7 +200,8 @@ class Engine:
                 SEQUENCE_ERROR,
             )
         try:
-            logits = self.runner.run(plan)  # (len(plan.logits_positions), V)
+            step = self.blocks.prepare([(s.seq.seq_id, s.num_tokens) for s in plan.scheduled])
+            logits = self.runner.run(plan, step)  # (len(plan.logits_positions), V)
             return self._update(plan, logits)
         except Exception as exc:  # a failed step fails only its own requests
             self.num_failed_steps += 1
@@ -231,7 +239,7 @@ class Engine:
             if part.scores_prompt:
                 self._score_prompt(req, seq.num_cached, logits[part.rows])
             seq.num_cached += part.num_tokens
-            self.cache.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+            self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
             if not part.samples:
                 continue
             if req.params.max_tokens == 0:
@@ -261,7 +269,7 @@ class Engine:
         parent = req.seqs[0]
         children = []
         for child in req.seqs[1:]:
-            self.cache.fork(parent.seq_id, child.seq_id)
+            self.blocks.fork(parent.seq_id, child.seq_id)
             child.num_cached = parent.num_cached
             self.scheduler.add_running(child)
             children.append(child)
@@ -353,7 +361,7 @@ class Engine:
         out = verify(logits, row, part.guesses)
         self.speculator.record(seq, len(part.guesses), out.num_accepted)
         settled = seq.num_cached + 1 + out.num_accepted  # the last token and the accepted guesses
-        self.cache.truncate(seq.seq_id, settled)
+        self.blocks.truncate(seq.seq_id, settled)
         seq.num_cached = settled
         text, lps, emitted = "", [], []
         for i, token in enumerate(out.tokens):
@@ -364,7 +372,7 @@ class Engine:
             if seq.params.logprobs is not None:
                 top = list(zip(out.top_ids[i], out.top_logprobs[i]))
                 lps.append(TokenLogprob(token, out.logprobs[i], top))
-        self.cache.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+        self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
         event = self._event(req, seq, emitted, text, lps, seq.finish_reason)
         if seq.finished:
             self._retire(req, seq)

@@ -12,7 +12,7 @@ its salt (`salt_root`) instead of from nothing, so its blocks are keyed, found a
 by token only under that salt. Without this, how much of a prompt was cached (reported to the
 client, and visible in its time to first token) would tell one tenant what another had sent.
 
-The index holds no tensors: `engine.kv_cache.KVCache` owns the pools and the block tables and asks
+The index holds no tensors: `engine.block_manager.BlockManager` owns the block tables and asks
 the index what to reuse and what to key.
 """
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache import KVCache, OutOfBlocks
+from engine.block_manager import BlockManager, OutOfBlocks
 from engine.sequence import Sequence
 from engine.verify import propose_ngram
+from kernels.paged_kv import KVPools
 from model.gpt import GPT
 
 
@@ -50,7 +51,8 @@ class DraftProposer:
     def __init__(self, model: GPT, max_num_seqs: int, block_size: int = 16) -> None:
         self.model = model.eval()
         blocks = max_num_seqs * -(-model.config.context_length // block_size)
-        self.cache = KVCache.for_model(model, blocks, block_size, prefix_caching=False)
+        self.pools = KVPools.for_model(model, blocks, block_size)
+        self.blocks = BlockManager(blocks, block_size, self.pools.device, prefix_caching=False)
         self.device = next(model.parameters()).device
         # tokens of each sequence the draft's cache holds as the sequence's own, counted once a
         # forward over them succeeded (its guesses after them are the draft's, dropped before the
@@ -68,18 +70,19 @@ class DraftProposer:
         for s, _ in todo:
             # past _own_tokens_fed: guesses, or room a failed forward reserved but never filled
             fed = self._own_tokens_fed.get(s.seq_id, 0)
-            if self.cache.seq_len(s.seq_id) > fed:
-                self.cache.truncate(s.seq_id, fed)
+            if self.blocks.seq_len(s.seq_id) > fed:
+                self.blocks.truncate(s.seq_id, fed)
             feed[s.seq_id] = s.token_ids[fed:]
         guesses: dict[int, list[int]] = {s.seq_id: [] for s, _ in todo}
         for step in range(max((k for _, k in todo), default=0)):
             batch = [(s, feed[s.seq_id]) for s, k in todo if step < k]
             try:
-                meta = self.cache.prepare([(s.seq_id, len(t)) for s, t in batch])
+                step_blocks = self.blocks.prepare([(s.seq_id, len(t)) for s, t in batch])
             except OutOfBlocks:
                 break  # the draft's pool is full: propose what there is
             tokens = torch.tensor([t for _, ts in batch for t in ts], device=self.device)
-            logits = self.model.forward_cached(tokens, self.cache, meta)  # (B, V)
+            self.pools.copy_blocks(step_blocks.copies)
+            logits = self.model.forward_cached(tokens, self.pools, step_blocks.meta)  # (B, V)
             if step == 0:  # the sequences' own tokens are in the draft's cache now
                 for s, _ in batch:
                     self._own_tokens_fed[s.seq_id] = len(s.token_ids)
@@ -89,7 +92,7 @@ class DraftProposer:
         return {sid: g for sid, g in guesses.items() if g}
 
     def forget(self, seq_id: int) -> None:
-        self.cache.free(seq_id)
+        self.blocks.free(seq_id)
         self._own_tokens_fed.pop(seq_id, None)
 
 

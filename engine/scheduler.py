@@ -3,7 +3,7 @@
 Every step: running sequences decode one token each; sequences still prefilling get chunks of
 their prompt within a token budget; waiting sequences are admitted while there is room (sequence
 slots, token budget, KV blocks). A sequence being admitted first takes whatever prefix of its
-tokens the cache already holds (`KVCache.reuse_prefix`) and prefills only the rest. A decoding
+tokens the cache already holds (`BlockManager.reuse_prefix`) and prefills only the rest. A decoding
 sequence offered guesses (speculative decoding) verifies them as a chunk of 1 + k tokens, trimmed
 to the budget. When the cache cannot hold the step, every guess is dropped first; then the newest
 running sequence is preempted: its blocks are freed and it is requeued at the front, to be
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from engine.kv_cache import KVCache
+from engine.block_manager import BlockManager
 from engine.sequence import Sequence
 from engine.step_plan import StepPlan
 
@@ -24,10 +24,12 @@ _Work = list[tuple[Sequence, int, list[int]]]
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_batch_tokens: int) -> None:
+    """Plans each step over the KV cache's block bookkeeping, which it owns."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("max_num_seqs and max_batch_tokens must be positive")
-        self.cache = cache
+        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
@@ -46,7 +48,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.free(seq.seq_id)
+        self.blocks.free(seq.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -61,8 +63,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         while True:
             work = self._plan(guesses)
-            needed = sum(self.cache.blocks_needed(s.seq_id, n) for s, n, _ in work)
-            if needed <= self.cache.num_free_blocks:
+            needed = sum(self.blocks.blocks_needed(s.seq_id, n) for s, n, _ in work)
+            if needed <= self.blocks.num_free_blocks:
                 break
             if any(g for _, _, g in work):  # drop speculative guesses before anyone
                 guesses = {}
@@ -72,7 +74,7 @@ class Scheduler:
             victim = self.running.pop()  # newest first
             self._preempt(victim)
             preempted.append(victim)
-        if needed > self.cache.num_free_blocks:
+        if needed > self.blocks.num_free_blocks:
             work = []  # a lone sequence that does not fit: the engine fails it
         self._admit(work)
         return StepPlan.build(work, preempted)
@@ -101,31 +103,31 @@ class Scheduler:
     def _admit(self, work: _Work) -> None:
         """Move waiting sequences into the batch while slots, budget and blocks allow."""
         budget = self.max_batch_tokens - sum(n for _, n, _ in work)
-        reserved = sum(self.cache.blocks_needed(s.seq_id, n) for s, n, _ in work)
+        reserved = sum(self.blocks.blocks_needed(s.seq_id, n) for s, n, _ in work)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # prompt logprobs need every prompt position computed: such requests reuse nothing
-            if not self.cache.holds(seq.seq_id) and seq.params.prompt_logprobs is None:
+            if not self.blocks.holds(seq.seq_id) and seq.params.prompt_logprobs is None:
                 salt = seq.params.cache_salt
-                seq.num_cached = self.cache.reuse_prefix(seq.seq_id, seq.token_ids, salt)
+                seq.num_cached = self.blocks.reuse_prefix(seq.seq_id, seq.token_ids, salt)
             n = min(seq.pending, budget)
-            need = self.cache.blocks_needed(seq.seq_id, n)
-            free = self.cache.num_free_blocks - reserved  # reused blocks are no longer free
+            need = self.blocks.blocks_needed(seq.seq_id, n)
+            free = self.blocks.num_free_blocks - reserved  # reused blocks are no longer free
             # a block of headroom per running sequence, so an admission does not force preemption
             if need > free or (need + len(self.running) > free and self.running):
-                self.cache.free(seq.seq_id)  # give back what it reused; it waits as it was
+                self.blocks.free(seq.seq_id)  # give back what it reused; it waits as it was
                 seq.num_cached = 0
                 break
             self.waiting.popleft()
             self.running.append(seq)
             if seq.num_generated == 0 and seq.params.prompt_logprobs is None:  # first admission
                 seq.num_prefix_hit = seq.num_cached
-                self.cache.count_prefix_query(seq.num_prompt, seq.num_cached)
+                self.blocks.count_prefix_query(seq.num_prompt, seq.num_cached)
             work.append((seq, n, []))
             budget -= n
             reserved += need
 
     def _preempt(self, seq: Sequence) -> None:
-        self.cache.free(seq.seq_id)
+        self.blocks.free(seq.seq_id)
         seq.num_cached = 0
         self.waiting.appendleft(seq)

@@ -1,7 +1,7 @@
 """Attention backends: how a KV cache lays out its pools, what a step plans, how a layer attends.
 
 A backend is chosen once, when a KV cache is built (`select_attention_backend(device, dtype)`,
-called by `engine.kv_cache.KVCache`), and the cache asks it for everything that depends on the
+called by `kernels.paged_kv.KVPools`), and the pools ask it for everything that depends on the
 choice: the pools (`allocate`), each step's plan (`plan`: a dataclass of the backend's own, built
 once from the step's `AttentionMetadata` and read by every layer) and each layer's write of the
 new keys and values and attention over the cache (`forward`). No layer inspects tensor layouts
@@ -45,7 +45,7 @@ PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the pools narrower than a float32 model that the compiled decodes read with float32 queries
-# (the KV cache dtypes a float32 model may take: engine.kv_cache.cache_dtype)
+# (the KV cache dtypes a float32 model may take: kernels.paged_kv.cache_dtype)
 NARROWER_POOLS = (torch.float16, torch.bfloat16)
 # the pools the compiled one-call decode (`paged_decode_qkv`) reads
 ONE_CALL_POOLS = (torch.float32, *NARROWER_POOLS)
@@ -120,24 +120,38 @@ class AttentionBackend(ABC, Generic[PlanT]):
             return self.attend(q, k_pool, v_pool, plan, sm_scale)
         return self.attend(q.to(k_pool.dtype), k_pool, v_pool, plan, sm_scale).to(q.dtype)
 
+    # ---- optional one-call paths: declared here, taken only where has_... says so ----------
+
+    def has_qkv_path(
+        self, pool_dtype: torch.dtype, plan: PlanT, qkv_dtype: torch.dtype,
+        rope_dtype: torch.dtype | None,
+    ) -> bool:  # fmt: skip
+        """Whether `forward_qkv` takes this step (pools of `pool_dtype`, a q/k/v product of
+        `qkv_dtype`, rotary tables of `rope_dtype` or None); no backend does by default."""
+        return False
+
     def forward_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
         k_pool: torch.Tensor, v_pool: torch.Tensor, plan: PlanT, n_head: int,
         out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor | None:  # fmt: skip
+    ) -> torch.Tensor:  # fmt: skip
         """One layer of a step from its q/k/v product (N, (H + 2 H_kv) * D) and rotary cos,
         sin (N, 1, D) (None: a model without rotary positions), rotation included, in one call:
-        (N, H, D) in `out_dtype`; None (the default) where this backend has no such path, and
-        the caller takes `forward`."""
-        return None
+        (N, H, D) in `out_dtype`. Only where `has_qkv_path` says so."""
+        raise NotImplementedError(f"{type(self).__name__} has no q/k/v path")
+
+    def has_one_call_step(self, pool_dtype: torch.dtype, plan: PlanT) -> bool:
+        """Whether this step suits the compiled one-call decode of a whole layer; no backend
+        does by default."""
+        return False
 
     def one_call_step(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: PlanT
-    ) -> tuple[torch.Tensor, ...] | None:
+    ) -> tuple[torch.Tensor, ...]:
         """What the compiled one-call decode of a layer takes besides q/k/v (the pools, the
-        slots' blocks and offsets, the tables and context lengths), where this step suits it;
-        None (the default) elsewhere."""
-        return None
+        slots' blocks and offsets, the tables and context lengths). Only where
+        `has_one_call_step` says so."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-call decode")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -276,19 +290,26 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             out = torch.cat([out, rest.to(out.dtype)])
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
+    def has_qkv_path(
+        self, pool_dtype: torch.dtype, plan: CpuPagedPlan, qkv_dtype: torch.dtype,
+        rope_dtype: torch.dtype | None,
+    ) -> bool:  # fmt: skip
+        """The compiled `paged_decode_qkv` takes a one-call step (`has_one_call_step`) with
+        float32 rotary or none, over float32 pools (as `forward` computes them, to the bit in
+        the attention's inputs) or, for a float32 model, float16 or bfloat16 pools (its query
+        stays float32); a bfloat16/float16 model over its own cache takes `forward`."""
+        if not self.has_one_call_step(pool_dtype, plan):
+            return False
+        if rope_dtype is not None and rope_dtype != torch.float32:
+            return False
+        return pool_dtype == torch.float32 or qkv_dtype == torch.float32
+
     def forward_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
         k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan, n_head: int,
         out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor | None:  # fmt: skip
-        """The compiled `paged_decode_qkv`, for a step of decodes only with float32 rotary or
-        none, over float32 pools (as `forward` computes them, to the bit in the attention's
-        inputs) or, for a float32 model, float16 or bfloat16 pools (its query stays float32)."""
+    ) -> torch.Tensor:  # fmt: skip
         step = self.one_call_step(k_pool, v_pool, plan)
-        if step is None or (cos is not None and cos.dtype != torch.float32):
-            return None
-        if k_pool.dtype != torch.float32 and qkv.dtype != torch.float32:
-            return None  # a bfloat16/float16 model over its own cache: `forward`
         n, scale = qkv.shape[0], k_pool.shape[-1] ** -0.5
         if cos is not None:
             cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, D)
@@ -296,15 +317,16 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             qkv, cos, sin, *step, n_head, scale, out_dtype or torch.float32
         )
 
+    def has_one_call_step(self, pool_dtype: torch.dtype, plan: CpuPagedPlan) -> bool:
+        """A step of decodes only that the plan gave the compiled kernel, over float32, float16
+        or bfloat16 pools."""
+        if plan.rest is not None or plan.decodes is None or plan.decode is not None:
+            return False
+        return pool_dtype in ONE_CALL_POOLS
+
     def one_call_step(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan
-    ) -> tuple[torch.Tensor, ...] | None:
-        """A step of decodes only that the plan gave the compiled kernel, over float32,
-        float16 or bfloat16 pools."""
-        if plan.rest is not None or plan.decodes is None or plan.decode is not None:
-            return None
-        if k_pool.dtype not in ONE_CALL_POOLS:
-            return None
+    ) -> tuple[torch.Tensor, ...]:
         meta = plan.decodes
         return (k_pool, v_pool, plan.write.block, plan.write.offset, meta.block_tables,
                 meta.context_lens)  # fmt: skip

@@ -1,6 +1,6 @@
 """One engine step's attention metadata, and what a backend derives from it for every layer.
 
-The KV cache builds one `AttentionMetadata` per step (`engine.kv_cache.KVCache.prepare`): the
+The KV cache builds one `AttentionMetadata` per step (`engine.block_manager.BlockManager.prepare`): the
 packed batch as every paged-attention backend reads it. The model asks the cache for the step's
 plan once (`PagedKV.plan`): its backend turns the metadata into a typed `AttentionPlan` (which
 blocks to read, masks, splits, where the new keys go) that every layer of the step then reads.
@@ -174,10 +174,12 @@ class AttentionPlan:
 
 
 class PagedKV(Protocol):
-    """What a model's cached forward needs of a KV cache: one plan per step, then per layer a
-    write of the new keys and values and attention over everything cached. A cache may also
-    offer `attend_qkv(layer, qkv, rope, plan, n_head, out_dtype)`, a whole decode layer from the
-    q/k/v product in one call or None (`engine.kv_cache.KVCache`); the model tries it first."""
+    """What a model's cached forward needs of a KV cache (`kernels.paged_kv.KVPools`): one plan
+    per step, then per layer a write of the new keys and values and attention over everything
+    cached. Two faster paths are declared, each with the question that says whether this step
+    takes it: a whole decode layer's attention from the q/k/v product (`has_qkv_path`,
+    `attend_qkv`), and the compiled one-call decode of a whole layer (`has_one_call_step`,
+    `one_call_step`)."""
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan: ...
 
@@ -187,3 +189,16 @@ class PagedKV(Protocol):
         """Store k, v (N, H, D) of the step's new tokens in `layer`'s pools, then return the
         attention (N, H, D) of q over each sequence's cached and new keys."""
         ...
+
+    def has_qkv_path(
+        self, plan: AttentionPlan, qkv_dtype: torch.dtype, rope_dtype: torch.dtype | None
+    ) -> bool: ...
+
+    def attend_qkv(
+        self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+        plan: AttentionPlan, n_head: int, out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def has_one_call_step(self, plan: AttentionPlan) -> bool: ...
+
+    def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...]: ...

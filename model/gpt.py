@@ -105,12 +105,12 @@ class CausalSelfAttention(nn.Module):
         N = x.shape[0]
         c_attn, c_proj = _submodules(self, "c_attn", "c_proj")
         qkv = c_attn.forward(x)  # (N, (nh + 2 n_kv) * hs)
-        y = None
-        fused = getattr(cache, "attend_qkv", None)  # a cache's one-call decode, if it has one
-        if fused is not None and not self.qk_norm:
-            # None unless this step and cache suit it; else (N, nh, hs) in the dtype c_proj takes
-            y = fused(layer, qkv, rope, plan, self.n_head, getattr(c_proj, "op_dtype", None))
-        if y is None:
+        rope_dtype = None if rope is None else rope[0].dtype
+        if not self.qk_norm and cache.has_qkv_path(plan, qkv.dtype, rope_dtype):
+            # the rotation, the writes and the attention in one call, (N, nh, hs) in the dtype
+            # c_proj takes (its `op_dtype` where it has one)
+            y = cache.attend_qkv(layer, qkv, rope, plan, self.n_head, getattr(c_proj, "op_dtype", None))  # fmt: skip
+        else:
             q, k, v = self._heads(qkv, rope)  # (N, nh, hs), (N, n_kv, hs), (N, n_kv, hs)
             y = cache.attend(layer, q, k, v, plan)  # (N, nh, hs); k and v are stored first
         return c_proj.forward(y.reshape(N, self.n_head * self.head_dim))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
-from engine.kv_cache import cache_dtype
 from engine.loader import ModelLoadError, check_load, load_for_inference
+from kernels.paged_kv import cache_dtype
 from model import GPT, SHAKESPEARE_DIR
 from model.cpu.malloc_tuning import release_freed_memory
 from model.dtypes import DTYPES

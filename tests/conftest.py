@@ -65,3 +65,36 @@ def shakespeare_path() -> Path:
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2-shaped checkpoint directory named "tiny-gpt" (the served model's id)."""
     return save_tiny_gpt(tmp_path_factory.mktemp("ckpt") / "tiny-gpt")
+
+
+class PagedCache:
+    """A KV cache as the engine pairs its two halves, for tests that drive a model's cached
+    forward themselves: the block bookkeeping (`blocks`, the scheduler's) and the pools with
+    their attention (`pools`, the runner's). `prepare` reserves a step's blocks, makes the block
+    copies it needs and returns its metadata, as the engine's step does. `model` is a GPT, or
+    (n_layer, n_kv_head, head_dim) for pools of that shape."""
+
+    def __init__(
+        self, model: torch.nn.Module | tuple[int, int, int], num_blocks: int,
+        block_size: int = 16, block_order: list[int] | None = None, prefix_caching: bool = True,
+        **pool_args: object,
+    ) -> None:  # fmt: skip
+        from engine.block_manager import BlockManager
+        from kernels.paged_kv import KVPools
+
+        if isinstance(model, tuple):
+            self.pools = KVPools(*model, num_blocks, block_size, **pool_args)
+        else:
+            self.pools = KVPools.for_model(model, num_blocks, block_size, **pool_args)
+        self.blocks = BlockManager(
+            num_blocks, block_size, self.pools.device, block_order, prefix_caching
+        )
+
+    def prepare(self, batch: list[tuple[int, int]]):  # noqa: ANN201
+        step = self.blocks.prepare(batch)
+        self.pools.copy_blocks(step.copies)
+        return step.meta
+
+    def copy_pending(self) -> None:
+        """Make the block copies asked for since the last step now (a prefix match's)."""
+        self.pools.copy_blocks(self.blocks.take_copies())

@@ -10,7 +10,7 @@ or on what else is in the batch, to the bit, unless it shares blocks (below: a l
 product rounds like a several-query product, within about 1e-7) or its batch decides the
 bfloat16/float16 upcast (`UPCAST_ELEMENTS`).
 
-The allocator hands out the lowest free blocks (`engine.kv_cache.BlockAllocator`), so the blocks of a
+The allocator hands out the lowest free blocks (`engine.block_pool.BlockAllocator`), so the blocks of a
 batch usually form one run at the front of the pool, which is read in place, holes included
 (masked). When the run is over twice the blocks in use, those blocks are gathered instead.
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from kernels.metadata import AttentionPlan, PagedKV
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
 from model.gpt import MLP, Block, Rope
 
@@ -44,14 +45,12 @@ class FusedDecodeBlock(Block):
         self.widths = [p.out_features for p in products]
 
     def forward_cached(
-        self, x: torch.Tensor, cache: Any, layer: int, plan: Any, rope: Rope = None,
+        self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan, rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
-        if x.shape[0] <= LAYER_FEW_ROWS and rope is None:
-            step = getattr(cache, "one_call_step", None)
-            step = None if step is None else step(layer, plan)
-            if step is not None:
-                return self.op(x, self.norms, self.tiles, self.biases, self.widths, *step,
-                               self.n_head, self.eps, self.activation)  # fmt: skip
+        if x.shape[0] <= LAYER_FEW_ROWS and rope is None and cache.has_one_call_step(plan):
+            step = cache.one_call_step(layer, plan)
+            return self.op(x, self.norms, self.tiles, self.biases, self.widths, *step,
+                           self.n_head, self.eps, self.activation)  # fmt: skip
         return super().forward_cached(x, cache, layer, plan, rope)
 
 

@@ -54,7 +54,7 @@ def test_a_float16_kv_cache_gives_the_engines_greedy_text_over_that_cache(tiny_d
     assert out.returncode == 0, out.stderr
     tok = get_tokenizer()
     engine = Engine(load_checkpoint(tiny_dir), tok, EngineConfig(kv_cache_dtype=torch.float16))
-    assert engine.cache.k.dtype == torch.float16
+    assert engine.pools.k.dtype == torch.float16
     engine.add_request("g", tok.encode("To be"), SamplingParams(temperature=0, max_tokens=12))
     text = ""
     while engine.has_work():

@@ -54,7 +54,7 @@ def test_greedy_matches_plain_loop(model, tok):
     for i, p in enumerate(prompts):
         assert tokens(out[(str(i), 0)]) == greedy_reference(model, p, 24)
         assert out[(str(i), 0)][-1].finish_reason == "length"
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def _mixed_requests(tok):
@@ -95,7 +95,7 @@ def test_requests_in_a_batch_produce_what_they_produce_alone(model, tok):
         step += 1
         assert step < 5000
     assert out == alone
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_preemption_under_a_tiny_pool_keeps_outputs_correct(model, tok):
@@ -115,7 +115,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_correct(model, tok):
     assert preempted > 0, "the pool was meant to be too small for all four at once"
     for i, p in enumerate(prompts):
         assert out[str(i)] == greedy_reference(model, p, 20)
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_abort_returns_every_block(model, tok):
@@ -124,10 +124,10 @@ def test_abort_returns_every_block(model, tok):
     engine.add_request("b", tok.encode("four"), SamplingParams(max_tokens=100))
     for _ in range(5):
         engine.step()
-    assert engine.cache.num_free_blocks < engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks < engine.blocks.num_blocks
     assert engine.abort("a") and engine.abort("b")
     assert not engine.abort("a")
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert not engine.has_work()
 
 
@@ -246,7 +246,7 @@ def test_a_failing_step_fails_only_its_requests(model, tok):
     assert [ev.error for ev in events] == [STEP_FAILED]  # "boom" is for the log only
     assert events[0].error_code is None
     assert engine.num_failed_steps == 1 and not engine.has_work()
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.add_request("good", tok.encode("x"), SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(tokens(run(engine)[("good", 0)])) == 3
 

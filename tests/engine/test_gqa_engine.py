@@ -11,9 +11,9 @@ import torch
 
 import kernels.backends as backends
 from engine.engine import Engine, EngineConfig
-from engine.kv_cache import KVCache
 from engine.sampler import SamplingParams
 from kernels.backends import TritonBackend
+from kernels.paged_kv import KVPools
 from kernels.triton import available as triton_available
 from model import GPT, ModelConfig, get_tokenizer, load_checkpoint
 
@@ -57,15 +57,15 @@ def greedy_reference(model: GPT, prompt: list[int], n: int) -> list[int]:
 
 
 def test_the_cache_holds_kv_heads_and_is_sized_by_them(llama: GPT, tok) -> None:
-    cache = KVCache.for_model(llama, num_blocks=10, block_size=8)
+    cache = KVPools.for_model(llama, num_blocks=10, block_size=8)
     assert cache.k.shape == (2, 10, 8, 2, 16)  # (layers, blocks, block_size, n_kv_head, hs)
     assert cache.bytes_per_token == 2 * 2 * 2 * 16 * 4  # k and v, layers, KV heads, hs, fp32
     per_block = 8 * cache.bytes_per_token
-    assert KVCache.bytes_per_block(2, 2, 16, 8, torch.float32) == per_block
+    assert KVPools.bytes_per_block(2, 2, 16, 8, torch.float32) == per_block
     config = EngineConfig(kv_block_size=8, max_num_seqs=64, kv_cache_bytes=100 * per_block)
     engine = Engine(llama, tok, config)
-    assert engine.cache.num_blocks == 100  # three times what query-head pools would allow
-    assert engine.cache.bytes_per_token == cache.bytes_per_token
+    assert engine.blocks.num_blocks == 100  # three times what query-head pools would allow
+    assert engine.pools.bytes_per_token == cache.bytes_per_token
 
 
 def _prompts(tok) -> list[list[int]]:
@@ -107,7 +107,7 @@ def test_greedy_decoding_equals_the_full_forward(
     out = run(engine)
     for i, ids in enumerate(prompts):
         assert out[str(i)] == greedy_reference(llama, ids, 32), f"prompt {i}"
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     compiled = native and backends.paged_decode_op() is not None
     assert (calls.pop("decode_attention_cpu") > 0) != compiled, calls
     assert all(calls.values()), calls  # every other CPU path ran
@@ -119,7 +119,7 @@ def test_greedy_decoding_through_the_triton_paged_kernel(llama: GPT, tok) -> Non
     laid out as the CPU backend's, so the engine's cache can take it after it is built."""
     prompts = _prompts(tok)[1:4]
     engine = Engine(llama, tok, EngineConfig(kv_block_size=8))
-    engine.cache.backend = TritonBackend()
+    engine.pools.backend = TritonBackend()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=8, **GREEDY))
     out = run(engine)

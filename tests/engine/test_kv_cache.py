@@ -5,8 +5,9 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks
+from engine.block_manager import BlockAllocator, OutOfBlocks
 from model import GPT, ModelConfig
+from tests.conftest import PagedCache
 
 
 def _model(**kw) -> GPT:
@@ -29,14 +30,14 @@ def test_prefill_then_decode_matches_full_forward(variant):
     seqs = [torch.randint(0, 97, (n + steps,), generator=gen) for n in lengths]
     order = list(range(64))
     random.Random(0).shuffle(order)
-    cache = KVCache.for_model(model, num_blocks=64, block_size=8, block_order=order)
+    cache = PagedCache(model, 64, 8, block_order=order)
 
     with torch.no_grad():
         full = [model(s[None])[0] for s in seqs]  # each (T, V)
         batch = cache.prepare([(i, n) for i, n in enumerate(lengths)])
         tokens = torch.cat([s[:n] for s, n in zip(seqs, lengths)])
         every = torch.arange(len(tokens))
-        logits = model.forward_cached(tokens, cache, batch, logits_index=every)
+        logits = model.forward_cached(tokens, cache.pools, batch, logits_index=every)
         start = 0
         for n, f in zip(lengths, full):
             torch.testing.assert_close(logits[start : start + n], f[:n], atol=1e-5, rtol=1e-4)
@@ -44,42 +45,42 @@ def test_prefill_then_decode_matches_full_forward(variant):
         for step in range(steps):
             batch = cache.prepare([(i, 1) for i in range(len(seqs))])
             tokens = torch.stack([s[n + step] for s, n in zip(seqs, lengths)])
-            logits = model.forward_cached(tokens, cache, batch)
+            logits = model.forward_cached(tokens, cache.pools, batch)
             for row, (n, f) in enumerate(zip(lengths, full)):
                 torch.testing.assert_close(logits[row], f[n + step], atol=1e-5, rtol=1e-4)
 
     for i, n in enumerate(lengths):
-        table = cache.block_table(i)
+        table = cache.blocks.block_table(i)
         assert len(table) == -(-(n + steps) // 8)
-    used = [b for i in range(len(seqs)) for b in cache.block_table(i)]
+    used = [b for i in range(len(seqs)) for b in cache.blocks.block_table(i)]
     assert len(used) == len(set(used)), "two sequences share a block"
 
 
 def test_extend_in_chunks_matches_full_forward():
     model = _model()
     seq = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(5))
-    cache = KVCache.for_model(model, num_blocks=16, block_size=8)
+    cache = PagedCache(model, 16, 8)
     with torch.no_grad():
         full = model(seq[None])[0]
         for lo, hi in [(0, 13), (13, 14), (14, 31), (31, 40)]:
             batch = cache.prepare([(0, hi - lo)])
-            out = model.forward_cached(seq[lo:hi], cache, batch)
+            out = model.forward_cached(seq[lo:hi], cache.pools, batch)
             torch.testing.assert_close(out[0], full[hi - 1], atol=1e-5, rtol=1e-4)
 
 
 def test_out_of_blocks_changes_nothing():
     model = _model()
-    cache = KVCache.for_model(model, num_blocks=4, block_size=8)
+    cache = PagedCache(model, 4, 8)
     cache.prepare([(0, 20)])  # 3 blocks
-    k_before = cache.k.clone()
+    k_before = cache.pools.k.clone()
     with pytest.raises(OutOfBlocks):
         cache.prepare([(1, 4), (2, 9)])  # needs 1 + 2 blocks, only 1 free
-    assert cache.num_free_blocks == 1
-    assert cache.seq_len(1) == 0 and cache.seq_len(2) == 0
-    assert cache.seq_len(0) == 20
-    assert torch.equal(cache.k, k_before)
-    cache.free(0)
-    assert cache.num_free_blocks == 4
+    assert cache.blocks.num_free_blocks == 1
+    assert cache.blocks.seq_len(1) == 0 and cache.blocks.seq_len(2) == 0
+    assert cache.blocks.seq_len(0) == 20
+    assert torch.equal(cache.pools.k, k_before)
+    cache.blocks.free(0)
+    assert cache.blocks.num_free_blocks == 4
 
 
 def test_allocator_hands_out_the_earliest_free_block_in_its_order():
@@ -96,13 +97,16 @@ def test_allocator_hands_out_the_earliest_free_block_in_its_order():
 
 
 def test_pools_store_each_block_and_head_as_one_tile_and_writes_land_in_their_slots():
-    cache = KVCache.for_model(_model(), num_blocks=5, block_size=4)
-    n_layer, n_blocks, bs, n_head, head_dim = cache.k.shape
+    cache = PagedCache(_model(), 5, 4)
+    n_layer, n_blocks, bs, n_head, head_dim = cache.pools.k.shape
     assert (n_blocks, bs) == (5, 4)
-    assert cache.k.transpose(2, 3).is_contiguous() and cache.v.transpose(2, 3).is_contiguous()
+    assert (
+        cache.pools.k.transpose(2, 3).is_contiguous()
+        and cache.pools.v.transpose(2, 3).is_contiguous()
+    )
     batch = cache.prepare([(0, 6)])  # slots 0..5: blocks 0 and 1
     k = torch.randn(6, n_head, head_dim)
-    cache.write(1, batch, k, -k)
-    assert torch.equal(cache.k[1, 0], k[:4]) and torch.equal(cache.k[1, 1, :2], k[4:])
-    assert torch.equal(cache.v[1, 1, :2], -k[4:])
-    assert not cache.k[0].any() and not cache.k[1, 1, 2:].any()
+    cache.pools.write(1, batch, k, -k)
+    assert torch.equal(cache.pools.k[1, 0], k[:4]) and torch.equal(cache.pools.k[1, 1, :2], k[4:])
+    assert torch.equal(cache.pools.v[1, 1, :2], -k[4:])
+    assert not cache.pools.k[0].any() and not cache.pools.k[1, 1, 2:].any()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
-from engine.kv_cache import cache_dtype
 from engine.sampler import SamplingParams
+from kernels.paged_kv import cache_dtype
 from model import GPT, ModelConfig, get_tokenizer
 from model.cpu import optimize_for_cpu
 
@@ -67,9 +67,9 @@ def test_a_narrower_cache_holds_twice_the_tokens_and_moves_outputs_by_its_roundi
     model = MODELS[name]
     wide, want = generate(model, None)
     narrow, got = generate(model, kv_dtype)
-    assert wide.cache.k.dtype == torch.float32 and narrow.cache.k.dtype == kv_dtype
-    assert narrow.cache.num_blocks == 2 * wide.cache.num_blocks
-    assert narrow.cache.bytes_per_token * 2 == wide.cache.bytes_per_token
+    assert wide.pools.k.dtype == torch.float32 and narrow.pools.k.dtype == kv_dtype
+    assert narrow.blocks.num_blocks == 2 * wide.blocks.num_blocks
+    assert narrow.pools.bytes_per_token * 2 == wide.pools.bytes_per_token
     tolerance = 2e-3 if kv_dtype == torch.float16 else 2e-2
     for request, tokens in want.items():
         assert len(got[request]) == len(tokens) == 12
@@ -86,7 +86,7 @@ def test_the_model_dtype_is_the_default_and_a_same_dtype_cache_changes_nothing()
     model = MODELS["gpt2 for the CPU"]
     _, default = generate(model, None)
     same, explicit = generate(model, torch.float32)
-    assert same.cache.k.dtype == torch.float32
+    assert same.pools.k.dtype == torch.float32
     assert explicit == default
 
 

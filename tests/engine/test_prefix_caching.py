@@ -37,7 +37,7 @@ def _run(engine: Engine, requests: dict, waves: list[list[str]]) -> dict:
                 got["tokens"] += ev.token_ids
                 got["lp"] += [lp.logprob for lp in ev.logprobs]
                 got["cached"] = ev.num_cached_tokens
-            engine.cache.audit()
+            engine.blocks.audit()
         assert not engine.has_work()
     return out
 
@@ -87,7 +87,7 @@ def test_greedy_tokens_and_logprobs_match_for_0_1_several_and_all_shared_blocks(
     # a copy of the base's sixth block, which holds those 3 tokens and a generated one
     assert cached == {"base": 0, "none": 0, "one": BLOCK, "several": 3 * BLOCK, "all": 22}
     assert all(off[(rid, 0)]["cached"] == 0 for rid in requests)
-    assert engine.cache.prefix_hit_tokens == 9 * BLOCK + 2
+    assert engine.blocks.prefix_hit_tokens == 9 * BLOCK + 2
     assert engine.kv_usage == 0  # cached-but-free blocks are not in use
 
 
@@ -129,7 +129,7 @@ def test_preemption_and_eviction_mid_run_keep_outputs_identical(model):
     waves = [["base"], list(requests)]
     (off, _), (on, engine) = _both(model, requests, waves, num_blocks=40, max_num_seqs=8)
     _same(off, on)
-    assert engine.cache.prefix_hit_tokens > 0
+    assert engine.blocks.prefix_hit_tokens > 0
 
 
 def test_prompt_logprobs_requests_reuse_nothing_and_still_score_every_token(model):

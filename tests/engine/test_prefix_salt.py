@@ -8,20 +8,20 @@ import random
 import pytest
 import torch
 
+from engine.block_manager import BlockManager
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestError
-from engine.kv_cache import KVCache
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, get_tokenizer
 
 BLOCK = 4
 
 
-def _cache(num_blocks: int = 32) -> KVCache:
-    return KVCache(1, 1, 2, num_blocks, BLOCK)
+def _cache(num_blocks: int = 32) -> BlockManager:
+    return BlockManager(num_blocks, BLOCK)
 
 
-def _prefill(cache: KVCache, seq_id: int, tokens: list[int], salt: str | None) -> int:
+def _prefill(cache: BlockManager, seq_id: int, tokens: list[int], salt: str | None) -> int:
     """Admit a sequence the way the scheduler does, compute the rest, key its blocks; returns
     the tokens it found cached."""
     hit = cache.reuse_prefix(seq_id, tokens, salt)
@@ -90,7 +90,7 @@ def _disjoint_across_salts(engine: Engine) -> None:
     owner: dict[int, str | None] = {}
     for seq in engine.scheduler.running:
         salt = seq.params.cache_salt
-        for block in engine.cache.block_table(seq.seq_id):
+        for block in engine.blocks.block_table(seq.seq_id):
             assert owner.setdefault(block, salt) == salt, f"block {block} shared across salts"
 
 
@@ -110,7 +110,7 @@ def _run(engine: Engine, requests: list[tuple[str, list[int], SamplingParams]]) 
             tokens, _ = out.get(ev.request_id, ([], 0))
             if ev.index == 0:
                 out[ev.request_id] = (tokens + ev.token_ids, ev.num_cached_tokens)
-        engine.cache.audit()
+        engine.blocks.audit()
         _disjoint_across_salts(engine)
     assert not engine.has_work()
     return out

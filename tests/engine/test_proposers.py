@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from engine.block_manager import OutOfBlocks
 from engine.engine import Engine, EngineConfig
-from engine.kv_cache import OutOfBlocks
 from engine.proposers import DraftProposer, Speculator
 from engine.sampler import SamplingParams
 from engine.sequence import Sequence
@@ -36,7 +36,7 @@ def run(engine: Engine, requests: dict) -> tuple[dict, int]:
             got = out.setdefault((ev.request_id, ev.index), {"tokens": [], "finish": None})
             got["tokens"] += ev.token_ids
             got["finish"] = ev.finish_reason or got["finish"]
-        engine.cache.audit()
+        engine.blocks.audit()
     return out, steps
 
 
@@ -60,7 +60,7 @@ def test_greedy_output_is_the_same_and_takes_fewer_steps(model, tok, kind):
     assert engine.speculator.accepted_tokens > 0 and spec_steps < plain_steps
     if kind == "draft":  # the target as its own draft: every guess is right
         assert engine.speculator.accepted_tokens == engine.speculator.proposed_tokens
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_stops_max_tokens_and_batches_beyond_the_limit_fall_back(model, tok):
@@ -169,7 +169,7 @@ def test_guesses_that_keep_failing_are_tried_ever_more_rarely(tok, accepted):
 
 def _cached_keys(proposer: DraftProposer, seq_id: int, n: int) -> torch.Tensor:
     """The keys of a sequence's first n tokens in the draft's cache, (n_layer, n, n_head, hd)."""
-    k = proposer.cache.k[:, proposer.cache.block_table(seq_id)]  # (L, blocks, block, H, hd)
+    k = proposer.pools.k[:, proposer.blocks.block_table(seq_id)]  # (L, blocks, block, H, hd)
     return k.reshape(k.shape[0], -1, *k.shape[3:])[:, :n]
 
 
@@ -180,7 +180,7 @@ def test_a_failed_draft_step_leaves_the_draft_in_step_with_its_sequence(tok, mon
     proposer = DraftProposer(draft, max_num_seqs=1, block_size=4)
     seq = _decoding_sequence(tok)
     if fault == "out_of_blocks":  # the draft's pool is full
-        owner, name, error = proposer.cache, "prepare", OutOfBlocks("full")
+        owner, name, error = proposer.blocks, "prepare", OutOfBlocks("full")
     else:  # the draft's forward fails after its cache room was reserved
         owner, name, error = draft, "forward_cached", RuntimeError("boom")
     original = getattr(owner, name)
@@ -204,8 +204,8 @@ def test_a_failed_draft_step_leaves_the_draft_in_step_with_its_sequence(tok, mon
     fresh = DraftProposer(draft, max_num_seqs=1, block_size=4)
     want = fresh.propose([(seq, 3)])
     assert got == want and len(want[seq.seq_id]) == 3
-    length = fresh.cache.seq_len(seq.seq_id)
-    assert proposer.cache.seq_len(seq.seq_id) == length == len(seq.token_ids) + 2
+    length = fresh.blocks.seq_len(seq.seq_id)
+    assert proposer.blocks.seq_len(seq.seq_id) == length == len(seq.token_ids) + 2
     assert torch.equal(
         _cached_keys(proposer, seq.seq_id, length), _cached_keys(fresh, seq.seq_id, length)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import KVCache
+from engine.block_manager import BlockManager
 from engine.sampler import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -19,7 +19,7 @@ def make_seq(seq_id: int, prompt: list[int], **params: object) -> Sequence:
     return Sequence(seq_id, f"r{seq_id}", 0, prompt, SamplingParams(**params), TOK)
 
 
-def play(cache: KVCache, plan: StepPlan, next_token: int = 99) -> None:
+def play(cache: BlockManager, plan: StepPlan, next_token: int = 99) -> None:
     """What the engine does with a plan, without a model: cache the tokens, append a token to
     every sequence whose chunk samples (a verification accepts none of its guesses)."""
     cache.prepare([(p.seq.seq_id, p.num_tokens) for p in plan.scheduled])
@@ -40,12 +40,12 @@ def decoding(scheduler: Scheduler, *seqs: Sequence) -> None:
         scheduler.add(seq)
     plan = scheduler.schedule()
     assert [p.kind for p in plan.scheduled] == [StepKind.PREFILL] * len(seqs)
-    play(scheduler.cache, plan)
+    play(scheduler.blocks, plan)
     assert all(s.pending == 1 for s in seqs)
 
 
 def test_a_decode_a_verification_and_a_prefill_chunk():
-    cache = KVCache(1, 1, 2, num_blocks=32, block_size=BLOCK)
+    cache = BlockManager(32, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=8)
     a, b = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5, 6])
     decoding(scheduler, a, b)
@@ -81,7 +81,7 @@ def test_a_decode_a_verification_and_a_prefill_chunk():
 
 
 def test_guesses_are_cut_to_the_token_budget_and_kept_only_for_their_step():
-    cache = KVCache(1, 1, 2, num_blocks=32, block_size=BLOCK)
+    cache = BlockManager(32, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=4)
     a, b = make_seq(0, [1, 2]), make_seq(1, [3, 4])
     decoding(scheduler, a, b)
@@ -105,7 +105,7 @@ def test_guesses_are_cut_to_the_token_budget_and_kept_only_for_their_step():
 
 
 def test_guesses_go_before_any_sequence_is_preempted():
-    cache = KVCache(1, 1, 2, num_blocks=3, block_size=BLOCK)
+    cache = BlockManager(3, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=16)
     a, b = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5, 6])
     decoding(scheduler, a, b)  # each holds one block with a slot left
@@ -119,7 +119,7 @@ def test_guesses_go_before_any_sequence_is_preempted():
 
 
 def test_preempted_sequences_are_named_and_left_out():
-    cache = KVCache(1, 1, 2, num_blocks=3, block_size=BLOCK)
+    cache = BlockManager(3, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=16)
     a, b = make_seq(0, [1, 2, 3]), make_seq(1, [4, 5, 6])
     decoding(scheduler, a, b)
@@ -133,7 +133,7 @@ def test_preempted_sequences_are_named_and_left_out():
 
 
 def test_prompt_logprobs_get_a_row_for_every_prompt_position():
-    cache = KVCache(1, 1, 2, num_blocks=32, block_size=BLOCK)
+    cache = BlockManager(32, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=4)
     seq = make_seq(0, [1, 2, 3, 4, 5, 6], prompt_logprobs=1)
     scheduler.add(seq)
@@ -149,7 +149,7 @@ def test_prompt_logprobs_get_a_row_for_every_prompt_position():
 
 
 def test_a_one_token_prompt_is_a_prefill_and_a_bad_verification_is_refused():
-    cache = KVCache(1, 1, 2, num_blocks=8, block_size=BLOCK)
+    cache = BlockManager(8, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=8)
     seq = make_seq(0, [1])
     scheduler.add(seq)

@@ -84,7 +84,7 @@ def _assert_only_bad_failed(engine, out, expected_good, code) -> None:
     assert [t for ev in good for t in ev.token_ids] == expected_good
     assert good[-1].finish_reason == "length" and not any(ev.error for ev in good)
     assert engine.num_failed_steps == 0
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_a_grammar_that_gives_up_ends_its_request_alone(model, tok):

@@ -7,7 +7,6 @@ import torch
 from kernel_testing import DEVICE
 
 from engine.engine import Engine, EngineConfig
-from engine.kv_cache import KVCache
 from kernels.backends import (
     CpuPagedBackend,
     CpuPagedPlan,
@@ -18,8 +17,10 @@ from kernels.backends import (
 from kernels.cpu.cascade import CascadePlan
 from kernels.cpu.native import paged_decode_op
 from kernels.metadata import KVWrite
+from kernels.paged_kv import KVPools
 from kernels.triton import available as triton_available
 from model import GPT, ModelConfig, get_tokenizer
+from tests.conftest import PagedCache
 
 
 def _model(n_layer: int = 3) -> GPT:
@@ -44,20 +45,20 @@ def test_other_devices_get_triton_where_it_runs_and_sdpa_elsewhere():
 def test_the_engine_chooses_once_and_its_cache_keeps_the_choice():
     model = _model()
     engine = Engine(model, get_tokenizer(), EngineConfig(kv_block_size=8, num_blocks=32))
-    backend = engine.cache.backend
+    backend = engine.pools.backend
     assert isinstance(backend, CpuPagedBackend) and backend.cascade
-    k = engine.cache.k  # (layers, blocks, block_size, heads, head_dim), head-major in memory
+    k = engine.pools.k  # (layers, blocks, block_size, heads, head_dim), head-major in memory
     assert k.shape == (3, 32, 8, 2, 16) and k.transpose(2, 3).is_contiguous()
     assert not k.is_contiguous()
 
 
 def test_a_backend_given_to_the_cache_lays_out_its_pools():
-    cache = KVCache.for_model(_model(), num_blocks=6, block_size=4, backend=SdpaGatherBackend())
-    assert isinstance(cache.backend, SdpaGatherBackend)
-    assert cache.k.shape == (3, 6, 4, 2, 16) and cache.k.is_contiguous()  # token-major
+    pools = KVPools.for_model(_model(), num_blocks=6, block_size=4, backend=SdpaGatherBackend())
+    assert isinstance(pools.backend, SdpaGatherBackend)
+    assert pools.k.shape == (3, 6, 4, 2, 16) and pools.k.is_contiguous()  # token-major
 
 
-def _run_steps(model: GPT, cache: KVCache) -> tuple[list[torch.Tensor], list[list[int]]]:
+def _run_steps(model: GPT, cache: PagedCache) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Four steps through the cache: a 16-token prompt beside a 5-token one; then the first's
     prefix forked to two sequences that continue it (6 and 9 new tokens) beside a decode; then
     two decode steps. Returns each step's logits (every new token's in the first two steps, each
@@ -70,17 +71,18 @@ def _run_steps(model: GPT, cache: KVCache) -> tuple[list[torch.Tensor], list[lis
         new = []
         for seq_id, n in batch:
             tokens = torch.randint(0, 97, (n,), generator=gen).tolist()
-            seqs[seq_id] = seqs[seq_id][: cache.seq_len(seq_id)] + tokens
+            seqs[seq_id] = seqs[seq_id][: cache.blocks.seq_len(seq_id)] + tokens
             new += tokens
         meta = cache.prepare(batch)
-        index = torch.arange(meta.num_tokens, device=cache.device) if every else None
-        out.append(model.forward_cached(torch.tensor(new, device=cache.device), cache, meta, index))
+        device = cache.pools.device
+        index = torch.arange(meta.num_tokens, device=device) if every else None
+        out.append(model.forward_cached(torch.tensor(new, device=device), cache.pools, meta, index))
 
     with torch.no_grad():
         seqs[0] = []
         step([(0, 16), (3, 5)], every=True)
         for child in (1, 2):
-            cache.fork(0, child)
+            cache.blocks.fork(0, child)
             seqs[child] = list(seqs[0])
         step([(3, 1), (1, 6), (2, 9)], every=True)  # a decode, then two over one cached prefix
         for _ in range(2):
@@ -102,13 +104,15 @@ def test_every_backend_gives_the_full_forward_logits(name):
         pytest.skip("triton is not installed")
     # Triton and SDPA on the kernel tests' device: CUDA where they run compiled, else the CPU
     model = _model(n_layer=2).to(DEVICE if name in ("triton", "sdpa") else "cpu")
-    cache = KVCache.for_model(model, num_blocks=24, block_size=8, backend=BACKENDS[name]())
-    cache.k.fill_(float("nan"))  # unused slots hold garbage
-    cache.v.fill_(float("nan"))
+    cache = PagedCache(model, 24, 8, backend=BACKENDS[name]())
+    cache.pools.k.fill_(float("nan"))  # unused slots hold garbage
+    cache.pools.v.fill_(float("nan"))
     out, (decoding, first, second) = _run_steps(model, cache)
     with torch.no_grad():
         seqs = (decoding, first, second)
-        full = {i: model(torch.tensor([s], device=cache.device))[0] for i, s in enumerate(seqs)}
+        full = {
+            i: model(torch.tensor([s], device=cache.pools.device))[0] for i, s in enumerate(seqs)
+        }
     # step 2's rows: the decode's token, then the new tokens of the two over the shared prefix
     torch.testing.assert_close(out[1][0], full[0][5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[1][1:7], full[1][16:22], atol=1e-4, rtol=1e-4)
@@ -120,8 +124,8 @@ def test_every_backend_gives_the_full_forward_logits(name):
 
 def test_one_plan_per_step_read_by_every_layer(monkeypatch):
     model = _model(n_layer=3)
-    cache = KVCache.for_model(model, num_blocks=24, block_size=8)
-    backend = cache.backend
+    cache = PagedCache(model, 24, 8)
+    backend = cache.pools.backend
     plans: list[CpuPagedPlan] = []
     attended: list[CpuPagedPlan] = []
     plan, forward = backend.plan, backend.forward
@@ -137,10 +141,8 @@ def test_one_plan_per_step_read_by_every_layer(monkeypatch):
     forward_qkv = backend.forward_qkv
 
     def layer_qkv(qkv, cos, sin, k_pool, v_pool, step, n_head, out_dtype=None):
-        y = forward_qkv(qkv, cos, sin, k_pool, v_pool, step, n_head, out_dtype)
-        if y is not None:  # a step of decodes in one call (where the compiled kernels run)
-            attended.append(step)
-        return y
+        attended.append(step)  # a step of decodes in one call (where the compiled kernels run)
+        return forward_qkv(qkv, cos, sin, k_pool, v_pool, step, n_head, out_dtype)
 
     monkeypatch.setattr(backend, "plan", planning)
     monkeypatch.setattr(backend, "forward", layer)

@@ -17,10 +17,10 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton kernel
 from kernel_testing import rel_error  # noqa: E402
 
 import kernels.triton.flash  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
 from kernels import AttentionBackend, CpuPagedBackend, SdpaGatherBackend, TritonBackend  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model import gpt as gpt_module  # noqa: E402
+from tests.conftest import PagedCache  # noqa: E402
 
 
 @pytest.fixture
@@ -119,20 +119,20 @@ def _cached_logits(
     """Prefill all prompts in one batch, then decode `steps` tokens each (teacher forced)."""
     order = list(range(32))
     random.Random(0).shuffle(order)
-    cache = KVCache.for_model(model, num_blocks=32, block_size=8, device=device, block_order=order,
-                              backend=_paged_backend(backend, device))  # fmt: skip
-    cache.k.fill_(float("nan"))  # unused slots hold garbage
-    cache.v.fill_(float("nan"))
+    cache = PagedCache(model, 32, 8, block_order=order, device=device,
+                       backend=_paged_backend(backend, device))  # fmt: skip
+    cache.pools.k.fill_(float("nan"))  # unused slots hold garbage
+    cache.pools.v.fill_(float("nan"))
     out = []
     with torch.no_grad():
         batch = cache.prepare([(i, n) for i, n in enumerate(prompt_lens)])
         tokens = torch.cat([s[:n] for s, n in zip(seqs, prompt_lens)]).to(device)
         every = torch.arange(len(tokens), device=device)
-        out.append(model.forward_cached(tokens, cache, batch, logits_index=every))
+        out.append(model.forward_cached(tokens, cache.pools, batch, logits_index=every))
         for step in range(steps):
             batch = cache.prepare([(i, 1) for i in range(len(seqs))])
             tokens = torch.stack([s[n + step] for s, n in zip(seqs, prompt_lens)]).to(device)
-            out.append(model.forward_cached(tokens, cache, batch))
+            out.append(model.forward_cached(tokens, cache.pools, batch))
     return out
 
 

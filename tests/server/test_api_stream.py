@@ -106,7 +106,7 @@ def test_midstream_disconnect_frees_blocks(server: LiveServer, headers: dict) ->
             seen += line.startswith("data: ")
             if seen == 3:
                 break
-        assert server.engine.cache.num_free_blocks < server.engine.cache.num_blocks
+        assert server.engine.blocks.num_free_blocks < server.engine.blocks.num_blocks
     # the context manager closed the connection mid-stream
     assert server.wait_blocks_free(timeout=5)
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
+from kernels.paged_kv import KVPools
 from server.runtime import LoadedModel, ModelLoadError
 from server.settings import Settings
 from tests.server.conftest import (
@@ -153,12 +153,12 @@ POOL_BLOCKS = 6  # of 16 tokens: 96 tokens, less than the model's 256-token cont
 
 @pytest.fixture(scope="module")
 def small_pool_server(tiny_checkpoint: Path) -> Iterator[LiveServer]:
-    per_block = KVCache.bytes_per_block(2, 4, 16, 16, torch.float32)
+    per_block = KVPools.bytes_per_block(2, 4, 16, 16, torch.float32)
     settings = Settings(
         model=str(tiny_checkpoint), kv_cache_gb=(POOL_BLOCKS + 0.5) * per_block / 2**30
     )
     with live_server(settings) as live:
-        assert live.engine.cache.num_blocks == POOL_BLOCKS
+        assert live.engine.blocks.num_blocks == POOL_BLOCKS
         yield live
 
 

@@ -118,7 +118,7 @@ def sweep(model: GPT, tok: Tokenizer) -> list[Ask]:
         widest = max(widest, engine.num_running)
         assert steps < 10 * BOUNDED_MAX_TOKENS, "the sweep did not end"
     assert widest > len(asks) // 2  # they did run together
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     return list(runs.values())
 
 

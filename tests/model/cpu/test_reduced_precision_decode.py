@@ -26,7 +26,7 @@ def test_the_engine_decodes_what_the_full_forward_predicts(dtype, method):
     model = optimize_for_cpu(quantize(load_checkpoint(SHAKESPEARE_DIR, dtype=dtype), method))
     tok = get_tokenizer()
     engine = Engine(model, tok, EngineConfig(max_num_seqs=4))
-    assert engine.cache.k.dtype == dtype
+    assert engine.pools.k.dtype == dtype
     new = 12
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=2)
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -1,133 +1,68 @@
-"""The paged KV cache: per-layer pools of fixed-size blocks, an allocator, per-sequence block tables.
+"""The KV cache's bookkeeping: which blocks each sequence holds, and which prompts they cache.
 
 A sequence's keys and values live in blocks that need not be contiguous nor in order; its block
-table lists them. Running out of blocks raises `OutOfBlocks` before anything is changed, so the
-engine can preempt a sequence and retry.
+table lists them. `BlockManager` keeps the tables, the allocator (`engine.block_pool`) and the
+prefix index (`engine.prefix_index`); it is the scheduler's, and it never touches the pools'
+memory (`kernels.paged_kv.KVPools`, the runner's): where a block's contents must be copied (a
+copy on write, a partial prefix match) it records the copy, and the runner makes every copy a
+step asked for before that step's forward (`take_copies`). Running out of blocks raises
+`OutOfBlocks` before anything is changed, so the engine can preempt a sequence and retry.
 
-Prefix caching (the keys live in `engine.prefix_index`): once a block is full, it is keyed by
-its tokens and every token before them (`register_full_blocks`); when a sequence ends, its last, partly filled block is keyed by the
+Prefix caching: once a block is full, it is keyed by its tokens and every token before them
+(`register_full_blocks`); when a sequence ends, its last, partly filled block is keyed by the
 tokens it holds. A new sequence takes the longest run of keyed full blocks that matches its
 prompt (`reuse_prefix`), then, token by token, the longest start of one more keyed block that
 follows the same blocks (a conversation's next turn diverges from the last inside a block: where
 the previous answer ended, or where its text re-tokenizes differently); that block is copied,
 since the sequence writes its own tokens after the match. It computes only the rest. A
 sequence's cache salt (`reuse_prefix`, `register_full_blocks`) keeps its blocks apart from those
-of every other salt: see `engine.prefix_index`. Shared
-blocks are read only: a sequence writes only into blocks it holds alone, and one that would
-write into a shared block (the last, partly filled block of a prompt that n > 1 completions
-share) first gets a copy of its own.
+of every other salt: see `engine.prefix_index`. Shared blocks are read only: a sequence writes
+only into blocks it holds alone, and one that would write into a shared block (the last, partly
+filled block of a prompt that n > 1 completions share) first gets a copy of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.block_pool import BlockAllocator, OutOfBlocks
 from engine.prefix_index import PrefixIndex, salt_root
-from kernels.backends import (
-    NARROWER_POOLS,
-    AttentionBackend,
-    KVSpec,
-    select_attention_backend,
-)
-from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
+from kernels.metadata import AttentionMetadata
 
-__all__ = ["BlockAllocator", "KVCache", "OutOfBlocks", "cache_dtype"]
+__all__ = ["BlockAllocator", "BlockManager", "OutOfBlocks", "StepBlocks"]
 
 
-def cache_dtype(model_dtype: torch.dtype, asked: torch.dtype | None) -> torch.dtype:
-    """The KV cache's dtype for a model computing in `model_dtype`: `asked`, or the model's own
-    where None. A cache is the model's dtype or, under a float32 model, float16 or bfloat16;
-    raises ValueError for any other (a cache wider than its model, or of another 16-bit kind)."""
-    if asked is None or asked == model_dtype:
-        return model_dtype
-    if model_dtype == torch.float32 and asked in NARROWER_POOLS:
-        return asked
-    name = str(model_dtype).removeprefix("torch.")
-    raise ValueError(
-        f"--kv-cache-dtype {str(asked).removeprefix('torch.')} does not go with a {name} model: "
-        f"the cache is the model's dtype ({name}) or, under a float32 model, float16 or bfloat16"
-    )
+@dataclass(frozen=True)
+class StepBlocks:
+    """What a step's forward needs of the bookkeeping: its attention metadata, and the block
+    copies (source, destination) to make before it."""
+
+    meta: AttentionMetadata
+    copies: list[tuple[int, int]]
 
 
-class KVCache:
-    """Key and value pools indexed (n_layer, num_blocks, block_size, n_kv_head, head_dim).
-
-    `k` and `v` have that shape whatever their layout in memory, which is the attention backend's
-    (`kernels.backends`): chosen once here, from the device and dtype unless one is given. A
-    step's attention goes through it: `plan(meta)` once, then `attend(layer, ...)` per layer.
-    The pools hold the model's key/value heads only: with grouped-query attention, `group`
-    query heads read each of them (`kernels.gqa`).
-    """
+class BlockManager:
+    """Block tables of the sequences, over a pool of `num_blocks` blocks of `block_size` tokens."""
 
     def __init__(
         self,
-        n_layer: int,
-        n_kv_head: int,
-        head_dim: int,
         num_blocks: int,
         block_size: int = 16,
         device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
         block_order: Sequence[int] | None = None,
         prefix_caching: bool = True,
-        backend: AttentionBackend | None = None,
-        group: int = 1,
-        batch_invariant: bool = False,
     ) -> None:
-        self.device = torch.device(device)
-        self.spec = KVSpec(
-            n_layer, num_blocks, block_size, n_kv_head, head_dim, dtype, self.device, group
-        )
-        self.backend = backend or select_attention_backend(self.device, dtype, batch_invariant)
-        self.k, self.v = self.backend.allocate(self.spec)
-        # each layer's pools as views made once: indexing self.k per layer and step costs more
-        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
+        self.device = torch.device(device)  # where a step's metadata goes
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, block_order)
         self.prefix_caching = prefix_caching
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
         self.index = PrefixIndex(self.allocator, block_size)
-
-    @classmethod
-    def for_model(
-        cls,
-        model: torch.nn.Module,
-        num_blocks: int,
-        block_size: int = 16,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        block_order: Sequence[int] | None = None,
-        prefix_caching: bool = True,
-        backend: AttentionBackend | None = None,
-        batch_invariant: bool = False,
-    ) -> KVCache:
-        """A cache shaped for `model` (its config's layers and key/value heads), on its device
-        and dtype."""
-        p = next(model.parameters())
-        c = model.config
-        return cls(
-            c.n_layer, c.kv_heads, c.head_dim, num_blocks, block_size,
-            device=device or p.device, dtype=dtype or p.dtype,
-            block_order=block_order, prefix_caching=prefix_caching, backend=backend,
-            group=c.n_head // c.kv_heads, batch_invariant=batch_invariant,
-        )  # fmt: skip
-
-    @staticmethod
-    def bytes_per_block(
-        n_layer: int, n_kv_head: int, head_dim: int, block_size: int, dtype: torch.dtype
-    ) -> int:
-        """Key and value bytes of one block over all layers, `n_kv_head` heads a slot."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layer * block_size * n_kv_head * head_dim * itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Key and value bytes one cached token takes over all layers."""
-        return self.spec.bytes_per_token
+        self._copies: list[tuple[int, int]] = []  # (source, destination) for the next step
 
     @property
     def prefix_queried_tokens(self) -> int:
@@ -244,8 +179,7 @@ class KVCache:
             if self.allocator.num_free < 1:
                 return None
             (copy,) = self.allocator.allocate(1)
-            self.k[:, copy] = self.k[:, best]
-            self.v[:, copy] = self.v[:, best]
+            self._copies.append((best, copy))
         finally:
             self.allocator.free([best])
         return copy, matched
@@ -271,12 +205,12 @@ class KVCache:
         for seq_id, table in self._tables.items():
             assert len(table) == -(-self.seq_len(seq_id) // self.block_size), "a table is torn"
 
-    def prepare(self, batch: Sequence[tuple[int, int]]) -> AttentionMetadata:
-        """Reserve room for (seq_id, new_tokens) pairs and describe the step to attention.
-
-        All or nothing: raises OutOfBlocks (the pool is too small) or ValueError (a sequence with no
-        new token) with the cache unchanged. A sequence about to write into a block it shares gets its own copy of that block first.
-        """
+    def prepare(self, batch: Sequence[tuple[int, int]]) -> StepBlocks:
+        """Reserve room for (seq_id, new_tokens) pairs and describe the step to attention, with
+        the block copies the step needs first (these and every copy asked for since the last
+        step). All or nothing: raises OutOfBlocks (the pool is too small) or ValueError (a
+        sequence with no new token) with the tables unchanged. A sequence about to write into a
+        block it shares gets its own copy of that block first."""
         if any(n < 1 for _, n in batch):
             raise ValueError("every sequence of a step needs at least one new token")
         needed = sum(self.blocks_needed(s, n) for s, n in batch)
@@ -289,54 +223,23 @@ class KVCache:
                 self._copy_on_write(table, shared)
             table.extend(self.allocator.allocate(self.blocks_needed(seq_id, n_new)))
             self._lens[seq_id] = self._lens.get(seq_id, 0) + n_new
-        return AttentionMetadata.build(
+        meta = AttentionMetadata.build(
             [self._tables[s] for s, _ in batch],
             [self._lens[s] for s, _ in batch],
             [n for _, n in batch],
             self.block_size,
             self.device,
         )
+        return StepBlocks(meta, self.take_copies())
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies asked for since they were last taken, in order (and forgets them)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _copy_on_write(self, table: list[int], i: int) -> None:
         """Replace shared block table[i] by a copy held by this table alone."""
         (block,) = self.allocator.allocate(1)
-        self.k[:, block] = self.k[:, table[i]]
-        self.v[:, block] = self.v[:, table[i]]
+        self._copies.append((table[i], block))
         self.allocator.free([table[i]])
         table[i] = block
-
-    def plan(self, meta: AttentionMetadata) -> AttentionPlan:
-        """The backend's plan of the step `meta` describes, for every layer's `attend`."""
-        return self.backend.plan(meta, self.spec)
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
-        """Store one layer's new keys/values (N, H_kv, D) at the step's slots, then attend the
-        new tokens' queries (N, H, D) over their sequences' cache: (N, H, D)."""
-        return self.backend.forward(q, k, v, *self._layers[layer], plan)
-
-    def attend_qkv(
-        self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-        plan: AttentionPlan, n_head: int, out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor | None:  # fmt: skip
-        """A whole decode step of one layer from its q/k/v product (N, (H + 2 H_kv) * D) and
-        rotary cos, sin (N, 1, D) (None: no rotary positions): the rotation, the writes and the
-        attention, (N, H, D) in `out_dtype` (None: qkv's); None where the backend has no such
-        path for this step."""
-        cos, sin = rope if rope is not None else (None, None)
-        return self.backend.forward_qkv(
-            qkv, cos, sin, *self._layers[layer], plan, n_head, out_dtype
-        )
-
-    def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...] | None:
-        """One layer's pools and this step's slots, tables and context lengths, as the compiled
-        one-call decode takes them (`model.cpu.decode_layer`); None where the backend has no such
-        path for this step."""
-        return self.backend.one_call_step(*self._layers[layer], plan)
-
-    def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's new keys/values (N, H_kv, D) at the step's slots
-        (`meta.slot_mapping`)."""
-        at = KVWrite.of(meta, self.block_size)
-        self.backend.write(*self._layers[layer], k, v, at)
