@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
 from engine.sampler import SamplingError, SamplingParams
 from model.tokenizer import Tokenizer
-from server.chat import ChatFormat
+from server.chat.templates import ChatFormat
+from server.chat.tools.formats import ToolCallFormat, format_for_template
+from server.chat.tools.prompt import chat_messages
+from server.chat.tools.request import ToolRequest, read_tools
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatCompletionRequest,
@@ -32,9 +35,6 @@ from server.protocol import (
 from server.request_fields import check_extra_fields
 from server.settings import Settings
 from server.structured_request import StructuredOutputError, constraint_from_fields
-from server.tool_formats import ToolCallFormat, format_for_template
-from server.tool_prompt import chat_messages
-from server.tool_request import ToolRequest, read_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -328,7 +328,7 @@ class Validator:
         return None if asked is None else asked.param
 
     def _constrain_calls(self, tools: ToolRequest, params: SamplingParams) -> None:
-        """The answer's tool calls constrained by their grammar (server.tool_grammar)."""
+        """The answer's tool calls constrained by their grammar (server.chat.tools.grammar)."""
         params.constraint = tools.constraint(
             self.tool_format, self.tokenizer, self.limits.vocab_size
         )
