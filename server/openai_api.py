@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
 from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, TokenEvent, TokenLogprob
+from server.chat.tools.parser import ToolCallParser
 from server.errors import APIError, error_body
 from server.protocol import (
     COMPLETION_ERRORS,
@@ -28,7 +29,6 @@ from server.protocol import (
 from server.runtime import ServerState
 from server.streams import Choice, ChoiceTracker, ClientGone, RequestTimeout, merged_events
 from server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
-from server.tool_parser import ToolCallParser
 from server.validation import EngineInputs, Validator
 
 router = APIRouter()

@@ -152,7 +152,7 @@ class FunctionCall(_Body):
 
 
 class ToolCall(_Body):
-    """A call an earlier assistant message made (checked in `server.tool_prompt`)."""
+    """A call an earlier assistant message made (checked in `server.chat.tools.prompt`)."""
 
     id: str | None = None
     type: str | None = Field(None, description='"function"')
@@ -177,7 +177,7 @@ class FunctionDefinition(_Body):
 
 
 class Tool(_Body):
-    """OpenAI's tool object (checked in `server.tool_request`)."""
+    """OpenAI's tool object (checked in `server.chat.tools.request`)."""
 
     type: str | None = Field(None, description='"function"')
     function: FunctionDefinition | None = None

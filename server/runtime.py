@@ -22,7 +22,7 @@ from model.cpu.malloc_tuning import release_freed_memory
 from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
 from model.tokenizer import TextTokenizer
-from server.chat import ChatFormat, load_chat_format
+from server.chat.templates import ChatFormat, load_chat_format
 from server.errors import APIError
 from server.metrics import Metrics
 from server.settings import DEFAULT_KV_CONTEXTS, DEFAULT_KV_TOKENS_PER_SEQ, Settings

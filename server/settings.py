@@ -16,7 +16,7 @@ from typing import Any
 
 from model import SHAKESPEARE_DIR
 from model.known_models import cached_path, known_name
-from server.tool_formats import PARSER_NAMES
+from server.chat.tools.formats import PARSER_NAMES
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
 GROUPS = {

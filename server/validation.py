@@ -20,7 +20,10 @@ from engine.errors import RequestError
 from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
 from engine.sampler import SamplingParams
 from model.tokenizer import Tokenizer
-from server.chat import ChatFormat
+from server.chat.templates import ChatFormat
+from server.chat.tools.formats import ToolCallFormat, format_for_template
+from server.chat.tools.prompt import chat_messages
+from server.chat.tools.request import ToolRequest, read_tools
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatCompletionRequest,
@@ -33,9 +36,6 @@ from server.protocol import (
 from server.request_fields import check_extra_fields
 from server.settings import Settings
 from server.structured_request import constraint_from_fields
-from server.tool_formats import ToolCallFormat, format_for_template
-from server.tool_prompt import chat_messages
-from server.tool_request import ToolRequest, read_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -193,8 +193,8 @@ def test_the_real_files_tokenizer_matches_transformers() -> None:
 
 
 def test_the_real_file_answers_paris() -> None:
-    from model.chat_template import JinjaChatTemplate
     from model.gguf_checkpoint import read_metadata
+    from server.chat.templates import JinjaChatTemplate
 
     path = fetch_known_model("smollm2-135m-instruct")
     model, tok = load_checkpoint(path), load_tokenizer("gguf", path)

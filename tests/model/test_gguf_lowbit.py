@@ -300,8 +300,8 @@ def test_smollm2_serves_in_little_more_memory_than_its_file(smollm2: Path) -> No
 
 
 def test_smollm2_at_its_bits_answers_paris(smollm2: Path) -> None:
-    from model.chat_template import JinjaChatTemplate
     from model.gguf_checkpoint import read_metadata
+    from server.chat.templates import JinjaChatTemplate
 
     model, tok = load_checkpoint(smollm2, low_bit=True), load_tokenizer("gguf", smollm2)
     template = JinjaChatTemplate(read_metadata(smollm2)["tokenizer.chat_template"])

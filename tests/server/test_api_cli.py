@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from model import get_tokenizer
-from server.chat import ChatTemplate, ChatTemplateError
+from server.chat.templates import ChatTemplate, ChatTemplateError
 from server.settings import Settings, SettingsError, build_parser, settings_from_args
 from tests.server.conftest import free_port, wait_for_server
 

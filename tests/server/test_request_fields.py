@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from model.tokenizer import get_tokenizer
-from server.chat import ChatTemplate
+from server.chat.templates import ChatTemplate
 from server.request_fields import IGNORED_WARNING
 from tests.server.conftest import LiveServer
 

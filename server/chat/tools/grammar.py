@@ -2,7 +2,7 @@
 
 Each function is one rule: its call head written out (`{"name":"f","arguments":`), then its
 arguments as `%json {schema}` (a document of its own, so the schema's `$ref`s resolve as sent),
-then `}`. Around the calls, the format's delimiters (`server.tool_formats`):
+then `}`. Around the calls, the format's delimiters (`server.chat.tools.formats`):
 
 - "required" (or a named function): the output is one call, or with parallel calls one or more.
 - "auto": the model may write text instead. For hermes the text is free until it writes
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.grammar import JSON_OPTIONS
-from server.tool_formats import ToolCallFormat
+from server.chat.tools.formats import ToolCallFormat
 
 Mode = Literal["auto", "required"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-from model.chat_template import ChatTemplateError, JinjaChatTemplate
+from server.chat.templates import ChatTemplateError, JinjaChatTemplate
 
 # ChatML as Qwen, SmolLM2 and Hermes write it, with a default system turn and tools in <tools>
 CHATML = (

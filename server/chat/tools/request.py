@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from engine.grammar import Constraint, GrammarError, compile_constraint
 from model.tokenizer import TextTokenizer
+from server.chat.tools.bounds import bounded_schema
+from server.chat.tools.formats import ToolCallFormat
+from server.chat.tools.grammar import FunctionGrammar, tool_call_grammar
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
-from server.tool_bounds import bounded_schema
-from server.tool_formats import ToolCallFormat
-from server.tool_grammar import FunctionGrammar, tool_call_grammar
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
 MAX_TOOLS = 128
@@ -50,7 +50,7 @@ class ToolRequest:
     def constraint(
         self, fmt: ToolCallFormat, tokenizer: TextTokenizer, vocab_size: int | None = None
     ) -> Constraint:
-        """The grammar of the answer's calls (see server.tool_grammar), compiled."""
+        """The grammar of the answer's calls (see server.chat.tools.grammar), compiled."""
         functions = self.functions
         if self.named is not None:
             functions = [f for f in functions if f.name == self.named]
@@ -145,7 +145,7 @@ def _read_tool(
 def _buildable(
     schema: dict[str, Any], where: str, tokenizer: TextTokenizer, vocab_size: int | None
 ) -> dict[str, Any]:
-    """The schema the arguments are generated under: the bounded copy (server.tool_bounds)
+    """The schema the arguments are generated under: the bounded copy (server.chat.tools.bounds)
     when the grammar engine builds it, else the schema as sent; a 400 when neither builds."""
     bounded = bounded_schema(schema)
     for candidate in (bounded, schema):

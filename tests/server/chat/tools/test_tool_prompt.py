@@ -7,13 +7,12 @@ import json
 
 import pytest
 
-from model.chat_template import JinjaChatTemplate
 from model.tokenizer import get_tokenizer
-from server.chat import ChatTemplate, JinjaChat
+from server.chat.templates import ChatTemplate, JinjaChat, JinjaChatTemplate
+from server.chat.tools.formats import HERMES, LLAMA3_JSON, format_for_template
+from server.chat.tools.prompt import chat_messages
+from server.chat.tools.request import read_tools
 from server.protocol import ChatCompletionRequest
-from server.tool_formats import HERMES, LLAMA3_JSON, format_for_template
-from server.tool_prompt import chat_messages
-from server.tool_request import read_tools
 
 # ChatML that renders tools, calls and results as Qwen's template does
 CHATML_TOOLS = (

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from server.tool_formats import HERMES, LLAMA3_JSON, ToolCallFormat
-from server.tool_parser import ToolCallParser
+from server.chat.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
+from server.chat.tools.parser import ToolCallParser
 
 WEATHER = '{"city":"Os\\"lo}","days":[1,{"a":[2]}]}'
 HERMES_TEXT = (

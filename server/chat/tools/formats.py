@@ -13,8 +13,9 @@ Two formats, named as vLLM's `--tool-call-parser` names them:
 - `llama3_json` (Llama 3.1 and later): the whole answer is the call, a bare JSON object whose
   arguments are under "parameters"; several calls are separated by "; ".
 
-The grammar (`server.tool_grammar`) writes calls exactly as `call_head` + arguments + `call_end`,
-compact, the name before the arguments; the parser (`server.tool_parser`) reads that text back.
+The grammar (`server.chat.tools.grammar`) writes calls exactly as `call_head` + arguments +
+`call_end`, compact, the name before the arguments; the parser (`server.chat.tools.parser`) reads
+that text back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from server.chat import ChatFormat, JinjaChat
+from server.chat.templates import ChatFormat, JinjaChat
 
 # templates of the Llama 3 family: their headers, and the tag 3.1 opens built-in calls with
 _LLAMA3_MARKERS = ("<|start_header_id|>", "<|python_tag|>")

@@ -18,10 +18,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from server.chat.tools.formats import ToolCallFormat
+from server.chat.tools.request import ToolRequest
 from server.errors import bad_request
 from server.protocol import ChatMessage, ToolCall
-from server.tool_formats import ToolCallFormat
-from server.tool_request import ToolRequest
 
 
 @dataclass(frozen=True)
