@@ -128,7 +128,10 @@ def main() -> None:
     questions = (QUESTIONS * (args.chats // len(QUESTIONS) + 1))[: args.chats]
     rows = [
         ("gptserve, default start", server_side([], questions, args.max_tokens)),
-        ("gptserve --kv-cache-gb 2", server_side(["--kv-cache-gb", "2"], questions, args.max_tokens)),
+        (
+            "gptserve --kv-cache-gb 2",
+            server_side(["--kv-cache-gb", "2"], questions, args.max_tokens),
+        ),
         ("llama.cpp, n_ctx 8192", llama_side(path, questions, args.max_tokens)),
     ]
     print(f"\n{path.name}: {file_mb:.1f} MB; budget 1.5 x file + 350 MB = {budget_mb:.0f} MB")

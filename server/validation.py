@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from engine.limits import EngineLimits, RequestError, RequestLimits, snap_tiny_temperature
 from engine.sampler import SamplingError, SamplingParams
-from model.tokenizer import Tokenizer
+from model.tokenizers import Tokenizer
 from server.chat import ChatFormat
 from server.errors import APIError, bad_request
 from server.protocol import (
@@ -83,7 +83,7 @@ def encode_text(
     except UnicodeEncodeError:
         raise bad_request("the text contains invalid Unicode (lone surrogates)", param) from None
     if not text:
-        bos = getattr(tokenizer, "bos_token_id", None)
+        bos = tokenizer.bos_token_id
         return [bos if bos is not None else tokenizer.eot_token]
     return tokenizer.encode(text, allow_special, add_special_tokens)
 

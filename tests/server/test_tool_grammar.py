@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine.grammar import GrammarError, compile_constraint
-from model.tokenizer import get_tokenizer
+from model.tokenizers import get_tokenizer
 from server.tool_bounds import MAX_ITEMS, MAX_MAGNITUDE, MAX_STRING_CHARS, bounded_schema
 from server.tool_formats import HERMES, LLAMA3_JSON, ToolCallFormat
 from server.tool_grammar import FunctionGrammar, tool_call_grammar

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from model.chat_template import JinjaChatTemplate
-from model.tokenizer import get_tokenizer
+from model.tokenizers import get_tokenizer
 from server.chat import ChatTemplate, JinjaChat
 from server.protocol import ChatCompletionRequest
 from server.tool_formats import HERMES, LLAMA3_JSON, format_for_template
