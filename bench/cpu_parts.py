@@ -466,7 +466,7 @@ def int4_rows() -> list[Row]:
     import numpy as np
 
     from kernels.cpu.native import native_ops
-    from model.gguf_blocks import Int4Groups
+    from model.gguf.blocks import Int4Groups
     from model.int4_linear import Int4Linear
 
     if native_ops() is None:

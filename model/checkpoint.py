@@ -105,7 +105,7 @@ def load_checkpoint(
     Qwen3) or a GGUF file into an eval-mode GPT.
 
     A GGUF file's weights are dequantized to float unless `low_bit`, which keeps its quantized
-    matrices at their own bits (`model.gguf_quantized`; on a CPU, inference only); `low_bit` is
+    matrices at their own bits (`model.gguf.quantized`; on a CPU, inference only); `low_bit` is
     ignored for other checkpoints.
     """
     path = Path(path)
@@ -147,7 +147,7 @@ def _load_gguf(
     path: Path, device: torch.device | str, dtype: torch.dtype | None, low_bit: bool
 ) -> GPT:
     """A GGUF file's weights dequantized to float32 (or dtype), or at their own bits."""
-    from model.gguf_checkpoint import dequantized_state, read_gguf
+    from model.gguf.checkpoint import dequantized_state, read_gguf
 
     if low_bit and torch.device(device).type != "cpu":
         raise CheckpointError(
@@ -155,7 +155,7 @@ def _load_gguf(
             "(dequantize it to float there: --quantize dequantize)"
         )
     if low_bit:  # imported before the file's metadata is parsed: see the next comment
-        from model.gguf_quantized import build_low_bit_gpt
+        from model.gguf.quantized import build_low_bit_gpt
     try:
         gguf_model = read_gguf(path)
     except ConfigError as exc:

@@ -1,5 +1,5 @@
 """A linear layer with int4 weights in groups of 32: each weight `(code - 8) * scale + zero`
-(`model.gguf_blocks.Int4Groups`, which GGUF's Q4_0, Q4_1 and Q4_K blocks are exactly, and a Q8_0
+(`model.gguf.blocks.Int4Groups`, which GGUF's Q4_0, Q4_1 and Q4_K blocks are exactly, and a Q8_0
 block is as two groups fed the same inputs: `input_copies`).
 
 Two kernels multiply it, chosen once when the layer is built:
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from kernels.cpu.native import native_ops
-from model.gguf_blocks import GROUP, Int4Groups
+from model.gguf.blocks import GROUP, Int4Groups
 
 ROW_MULTIPLE = 16  # output channels PyTorch's packing takes at a time
 TILE = 32  # output columns of a tile of the compiled kernel's layout

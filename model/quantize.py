@@ -31,7 +31,7 @@ The model is for inference only afterwards (no gradients), and `save_checkpoint`
 save the model as loaded, not a quantized one.
 
 "none" leaves the weights as the checkpoint stores them: float, or a GGUF file's own low bits
-(`model.gguf_quantized`, on a CPU); "dequantize" turns a GGUF file's weights into float in the
+(`model.gguf.quantized`, on a CPU); "dequantize" turns a GGUF file's weights into float in the
 model's dtype (for other checkpoints it is "none").
 """
 
@@ -167,7 +167,7 @@ class Int8Linear(nn.Module):
         tiled: bool | None = None,
     ) -> Int8Linear:
         """From rows quantized already ((out, in) int8, (out,) scales as `quantize_rows` makes
-        them), for matrices never held in float at once (a GGUF file's: model.gguf_quantized)."""
+        them), for matrices never held in float at once (a GGUF file's: model.gguf.quantized)."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module._hold(q, scales, bias, dtype, tiled)

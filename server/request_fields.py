@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from model.tokenizer import TextTokenizer
+from model.tokenizers import Tokenizer
 from server.errors import bad_request
 from server.protocol import SamplingFields
 
@@ -91,7 +91,7 @@ _ENDPOINT: dict[Endpoint, dict[str, Unhonoured]] = {
 }
 
 
-def check_extra_fields(req: SamplingFields, endpoint: Endpoint, tokenizer: TextTokenizer) -> None:
+def check_extra_fields(req: SamplingFields, endpoint: Endpoint, tokenizer: Tokenizer) -> None:
     """A 400 naming the vLLM fields of `req` this server does not honour (the first is the
     `param`); one warning line naming any other unknown field."""
     known = {**_BOTH, **_ENDPOINT[endpoint]}

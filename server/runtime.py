@@ -21,7 +21,7 @@ from model import GPT, SHAKESPEARE_DIR
 from model.cpu.malloc_tuning import release_freed_memory
 from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
-from model.tokenizer import TextTokenizer
+from model.tokenizers import Tokenizer
 from server.chat.templates import ChatFormat, load_chat_format
 from server.errors import APIError
 from server.metrics import Metrics
@@ -36,7 +36,7 @@ class LoadedModel:
     """What the server serves: the loaded model, the name it answers to, its chat template."""
 
     model: GPT
-    tokenizer: TextTokenizer
+    tokenizer: Tokenizer
     name: str
     template: ChatFormat
     path: Path

@@ -16,7 +16,7 @@ from fastapi import Request
 from engine.async_engine import AsyncEngine
 from engine.sampler import SamplingParams
 from engine.sequence import TokenEvent, TokenLogprob
-from model.tokenizer import Tokenizer
+from model.tokenizers import Tokenizer
 from server.metrics import Metrics
 
 

@@ -25,7 +25,7 @@ from engine.grammar import (
     GrammarError,
     compile_constraint,
 )
-from model.tokenizer import TextTokenizer
+from model.tokenizers import Tokenizer
 from server.protocol import StructuredFields, StructuredOutputs
 
 # how a request asked: the wrapper it came in decides how its value is read
@@ -83,7 +83,7 @@ class StructuredAsk:
             raise self.error("json_schema.schema is required")
         return wrapper["schema"]
 
-    def compile(self, tokenizer: TextTokenizer, vocab_size: int | None = None) -> Constraint:
+    def compile(self, tokenizer: Tokenizer, vocab_size: int | None = None) -> Constraint:
         kind, spec = self.spec()
         try:
             return compile_constraint(kind, spec, tokenizer, vocab_size=vocab_size)
@@ -104,7 +104,7 @@ class RequestedConstraint:
 
 
 def constraint_from_fields(
-    fields: StructuredFields, tokenizer: TextTokenizer, vocab_size: int | None = None
+    fields: StructuredFields, tokenizer: Tokenizer, vocab_size: int | None = None
 ) -> RequestedConstraint | None:
     """The constraint a parsed request body asks for, or None; raises RequestError."""
     if fields.guided_grammar is not None:
@@ -127,7 +127,7 @@ def constraint_from_fields(
 
 
 def constraint_from_request(
-    tokenizer: TextTokenizer,
+    tokenizer: Tokenizer,
     *,
     response_format: dict[str, Any] | None = None,
     guided_json: object = None,
@@ -188,7 +188,7 @@ def _structured_outputs(structured: StructuredOutputs) -> list[StructuredAsk]:
 
 
 def _compile_one(
-    asks: list[StructuredAsk], tokenizer: TextTokenizer, vocab_size: int | None
+    asks: list[StructuredAsk], tokenizer: Tokenizer, vocab_size: int | None
 ) -> RequestedConstraint | None:
     """At most one constraint per request, compiled."""
     if not asks:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engine.errors import RequestError
 from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
 from engine.sampler import SamplingParams
-from model.tokenizer import Tokenizer
+from model.tokenizers import Tokenizer
 from server.chat.templates import ChatFormat
 from server.chat.tools.formats import ToolCallFormat, format_for_template
 from server.chat.tools.prompt import chat_messages
@@ -85,7 +85,7 @@ def encode_text(
     except UnicodeEncodeError:
         raise bad_request("the text contains invalid Unicode (lone surrogates)", param) from None
     if not text:
-        bos = getattr(tokenizer, "bos_token_id", None)
+        bos = tokenizer.bos_token_id
         return [bos if bos is not None else tokenizer.eot_token]
     return tokenizer.encode(text, allow_special, add_special_tokens)
 

@@ -17,7 +17,7 @@ from training.errors import TrainError
 STATE_FILE = "train_state.pt"
 BEST_DIR = "best"
 # What a checkpoint with its own tokenizer ("hf") needs beside its weights to be served: the
-# files model/hf_tokenizer.py and server/chat/templates.py read, those that exist.
+# files model/tokenizers/hf.py and server/chat/templates.py read, those that exist.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from model import get_tokenizer
-from model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
+from model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from training.distributed import Dist, on_every_rank, on_rank0
 from training.errors import TrainError
 
@@ -50,7 +50,7 @@ def tokenize_cached(
     size and mtime, so an unchanged dataset is never encoded twice.
     """
     h = hashlib.sha256(tokenizer.encode())
-    tok: TextTokenizer | None = None
+    tok: Tokenizer | None = None
     wide = False
     if tokenizer != "gpt2":  # GPT-2's 50257 ids fit uint16 and it loads only when needed
         for name in TOKENIZER_KEY_FILES:
@@ -102,7 +102,7 @@ def token_dtype(path: Path) -> type[np.unsignedinteger]:
     return np.uint32 if path.stem.endswith(WIDE_SUFFIX) else np.uint16
 
 
-def _load(tokenizer: str, source: Path | None) -> TextTokenizer:
+def _load(tokenizer: str, source: Path | None) -> Tokenizer:
     try:
         return (
             get_tokenizer(tokenizer) if tokenizer == "gpt2" else load_tokenizer(tokenizer, source)

@@ -12,7 +12,7 @@ import torch
 
 from model import GPT, CheckpointError, ModelConfig, load_checkpoint
 from model.dtypes import DTYPES
-from model.tokenizer import TextTokenizer, TokenizerError, load_tokenizer
+from model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from training.config import TrainConfig
 from training.distributed import Dist
 from training.errors import TrainError
@@ -92,7 +92,7 @@ def tokenizer_dir(cfg: TrainConfig, config: ModelConfig) -> Path | None:
     return cfg.out if cfg.resume else cfg.init_from
 
 
-def load_run_tokenizer(config: ModelConfig, directory: Path | None) -> TextTokenizer:
+def load_run_tokenizer(config: ModelConfig, directory: Path | None) -> Tokenizer:
     """The tokenizer the model was trained with, checked against its embedding."""
     try:
         tok = load_tokenizer(config.tokenizer, directory)

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT
-from model.tokenizer import TextTokenizer
+from model.tokenizers import Tokenizer
 from training.config import TrainConfig
 from training.data import BatchSampler
 
@@ -121,9 +121,7 @@ def evaluate(
 
 
 @torch.no_grad()
-def sample_text(
-    model: GPT, tok: TextTokenizer, n_tokens: int, device: torch.device, seed: int
-) -> str:
+def sample_text(model: GPT, tok: Tokenizer, n_tokens: int, device: torch.device, seed: int) -> str:
     """A short top-k sample from the token a document starts with (BOS where the tokenizer adds
     one, else end-of-text), from a private generator (no global RNG use)."""
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -10,7 +10,7 @@ sequences) read a second copy of each matrix laid out in tiles instead (`model.c
 faster while the weights' reading bounds the product; a sequence's logits then agree alone and
 in a batch to rounding, and to the bit with `batch_invariant` (oneDNN's products alone compute a
 row alike whatever the row count: docs/RELIABILITY.md, "Batch invariance"). Layers already quantized
-(`model.quantize`'s int8, a GGUF file's own bits: `model.gguf_quantized`) are left as they are:
+(`model.quantize`'s int8, a GGUF file's own bits: `model.gguf.quantized`) are left as they are:
 only `nn.Linear` modules are swapped, except that an int8 feed-forward block whose first product
 is compiled (`Int8Linear` in tiles) has that product apply the activation too. A gated (SwiGLU)
 feed-forward block keeps its own forward, unless the compiled CPU kernels are built

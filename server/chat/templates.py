@@ -35,6 +35,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model.tokenizers import Tokenizer
+
 TEMPLATE_FILE = "chat_template.txt"
 JINJA_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -292,18 +294,18 @@ class JinjaChat:
 ChatFormat = ChatTemplate | JinjaChat
 
 
-def load_chat_format(path: Path, tokenizer: Any, override: Path | None = None) -> ChatFormat:
+def load_chat_format(path: Path, tokenizer: Tokenizer, override: Path | None = None) -> ChatFormat:
     """The chat format a checkpoint serves with: `--chat-template FILE` (Jinja), else the
     checkpoint's Jinja template (a Hugging Face directory's, a GGUF file's metadata), else its
     chat_template.txt, else the plain "Role: content" default. Raises a ChatTemplateError."""
     specials = {
-        "bos_token": getattr(tokenizer, "bos_token", None) or "",
-        "eos_token": getattr(tokenizer, "eos_token", None) or "",
+        "bos_token": tokenizer.bos_token or "",
+        "eos_token": tokenizer.eos_token or "",
     }
     if override is not None:
         return JinjaChat(JinjaChatTemplate.from_file(override, specials))
     if path.suffix == ".gguf" and path.is_file():
-        from model.gguf_checkpoint import read_metadata
+        from model.gguf.checkpoint import read_metadata
 
         source = read_metadata(path).get("tokenizer.chat_template")
         return JinjaChat(JinjaChatTemplate(source, specials)) if source else ChatTemplate()

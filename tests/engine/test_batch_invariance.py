@@ -25,8 +25,8 @@ from kernels.cpu.native import native_ops
 from model import GPT, ModelConfig, save_checkpoint
 from model.cpu.few_rows_linear import compiled_tiles
 from model.quantize import dequantize_from_rows
-from tests.model.test_gguf import VOCAB as GGUF_VOCAB
-from tests.model.test_gguf import write_gguf
+from tests.model.gguf.test_gguf import VOCAB as GGUF_VOCAB
+from tests.model.gguf.test_gguf import write_gguf
 
 BF16 = "bfloat16: the decode attention upcasts a step of few keys to float32 (not with the flag)"
 # the compiled decode attention computes each sequence alone: no batch-dependent upcast

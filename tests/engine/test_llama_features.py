@@ -16,7 +16,7 @@ from engine.grammar import compile_constraint
 from engine.loader import prepare_for_inference
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig
-from model.hf_tokenizer import HFTokenizer
+from model.tokenizers import HFTokenizer
 from tests.conftest import byte_level_bpe
 
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu import native
-from model.gguf_blocks import Int4Groups
+from model.gguf.blocks import Int4Groups
 from model.int4_linear import Int4Linear, pack_tiles
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")

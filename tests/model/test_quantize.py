@@ -265,7 +265,7 @@ def test_without_native_bfloat16_products_int8_keeps_its_kernel():
     assert layer.many_rows == (switch if fast_bfloat16_products() else None)
 
 
-@pytest.mark.parametrize("first", ["model.quantize", "model.cpu", "model.gguf_quantized"])
+@pytest.mark.parametrize("first", ["model.quantize", "model.cpu", "model.gguf.quantized"])
 def test_each_module_imports_first_in_a_fresh_process(first):
     # model.quantize and model.cpu import each other's names: either may be imported first
     done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=REPO,

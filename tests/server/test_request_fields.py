@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from model.tokenizer import get_tokenizer
+from model.tokenizers import get_tokenizer
 from server.chat.templates import ChatTemplate
 from server.request_fields import IGNORED_WARNING
 from tests.server.conftest import LiveServer

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model.tokenizer import get_tokenizer
+from model.tokenizers import get_tokenizer
 from server.settings import Settings, SettingsError, settings_from_args
 from server.tenancy import key_tenant, request_cache_salt
 from tests.server.conftest import LiveServer, live_server

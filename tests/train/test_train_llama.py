@@ -23,8 +23,7 @@ import train
 from engine.engine import Engine, EngineConfig
 from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, load_checkpoint
-from model.hf_tokenizer import HFTokenizer
-from model.tokenizer import load_tokenizer
+from model.tokenizers import HFTokenizer, load_tokenizer
 from tests.conftest import byte_level_bpe
 from training.args import parse_config
 from training.checkpointing import BEST_DIR, STATE_FILE, TOKENIZER_FILES

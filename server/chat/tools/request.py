@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.grammar import Constraint, GrammarError, compile_constraint
-from model.tokenizer import TextTokenizer
+from model.tokenizers import Tokenizer
 from server.chat.tools.bounds import bounded_schema
 from server.chat.tools.formats import ToolCallFormat
 from server.chat.tools.grammar import FunctionGrammar, tool_call_grammar
@@ -48,7 +48,7 @@ class ToolRequest:
         return self.calls and self.choice != "auto"
 
     def constraint(
-        self, fmt: ToolCallFormat, tokenizer: TextTokenizer, vocab_size: int | None = None
+        self, fmt: ToolCallFormat, tokenizer: Tokenizer, vocab_size: int | None = None
     ) -> Constraint:
         """The grammar of the answer's calls (see server.chat.tools.grammar), compiled."""
         functions = self.functions
@@ -65,7 +65,7 @@ class ToolRequest:
 
 
 def read_tools(
-    req: ChatCompletionRequest, tokenizer: TextTokenizer, vocab_size: int | None = None
+    req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int | None = None
 ) -> ToolRequest | None:
     """The request's tools, checked (None without tools); raises a 400 naming the field."""
     if not req.tools:
@@ -115,7 +115,7 @@ def _read_choice(
 
 
 def _read_tool(
-    tool: Tool, where: str, tokenizer: TextTokenizer, vocab_size: int | None
+    tool: Tool, where: str, tokenizer: Tokenizer, vocab_size: int | None
 ) -> tuple[dict[str, Any], FunctionGrammar]:
     """One tool -> the object the template is shown and the grammar of its calls."""
     if tool.type != "function":
@@ -143,7 +143,7 @@ def _read_tool(
 
 
 def _buildable(
-    schema: dict[str, Any], where: str, tokenizer: TextTokenizer, vocab_size: int | None
+    schema: dict[str, Any], where: str, tokenizer: Tokenizer, vocab_size: int | None
 ) -> dict[str, Any]:
     """The schema the arguments are generated under: the bounded copy (server.chat.tools.bounds)
     when the grammar engine builds it, else the schema as sent; a 400 when neither builds."""

@@ -8,7 +8,7 @@ from model import GPT
 from model.config import ModelConfig
 from model.cpu import optimize_for_cpu
 from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU, install_fused_rows
-from model.gguf_blocks import Int4Groups
+from model.gguf.blocks import Int4Groups
 from model.gpt import MLP
 from model.int4_linear import Int4Linear
 from model.rmsnorm import RMSNorm

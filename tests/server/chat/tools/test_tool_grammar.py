@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine.grammar import GrammarError, compile_constraint
-from model.tokenizer import get_tokenizer
+from model.tokenizers import get_tokenizer
 from server.chat.tools.bounds import MAX_ITEMS, MAX_MAGNITUDE, MAX_STRING_CHARS, bounded_schema
 from server.chat.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
 from server.chat.tools.grammar import FunctionGrammar, tool_call_grammar

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from model.tokenizer import get_tokenizer
+from model.tokenizers import get_tokenizer
 from server.chat.templates import ChatTemplate, JinjaChat, JinjaChatTemplate
 from server.chat.tools.formats import HERMES, LLAMA3_JSON, format_for_template
 from server.chat.tools.prompt import chat_messages

@@ -1,7 +1,7 @@
 """A GGUF file's model at the file's own bits: each matrix becomes the module its type maps to.
 
 - Q4_0, Q4_1, Q4_K: `Int4Linear`, exactly the file's codes, scales and zero points
-  (`model.gguf_blocks`);
+  (`model.gguf.blocks`);
 - Q8_0: `Int4Linear` too, each block exactly as two int4 groups (its high and low nibbles), so the
   products take the same kernel; a sixth more bytes than the file (the kernel's scale table);
 - Q5_K, Q6_K: `Int8Linear` (int8 rows, one scale each), requantized from the dequantized rows: not
@@ -11,14 +11,14 @@
 The int4 products run in float32 with the file's scales exactly where the compiled CPU kernels
 build, else in bfloat16 through PyTorch's kernel (`model.int4_linear`); the int8 ones with their
 rows rounded to 8 bits per block (`model.quantize`).
-So the model is close to the float model, not equal to it: tests/model/test_gguf_lowbit.py
+So the model is close to the float model, not equal to it: tests/model/gguf/test_gguf_lowbit.py
 measures how far (SmolLM2 over the first 512 tokens of Shakespeare: the top token is the float
 model's at every position with the compiled kernel, at 99.0% with PyTorch's; the loss within
 0.1%).
 
 A joined matrix (q/k/v, gate/up) whose parts map to different modules (a Q4_K_M file keeps some
 V matrices in Q6_K) becomes a `StackedLinear` of the parts. A quantized token table is never held
-in memory: the embedding reads its rows from the file (`model.gguf_rows.FileRows`), and the
+in memory: the embedding reads its rows from the file (`model.gguf.rows.FileRows`), and the
 output head (the table when tied) is the fast product above refined by those exact rows
 (`RefinedHead`). Norms, biases and position tables are small and become float.
 
@@ -38,9 +38,9 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from model.config import ConfigError
-from model.gguf_blocks import INT4_TYPES, SPLIT_TYPES, Int4Groups, int4_groups, q8_0_split_groups
-from model.gguf_checkpoint import GGUFModel, RawTensor
-from model.gguf_rows import FileRows, RefinedHead, RowsEmbedding
+from model.gguf.blocks import INT4_TYPES, SPLIT_TYPES, Int4Groups, int4_groups, q8_0_split_groups
+from model.gguf.checkpoint import GGUFModel, RawTensor
+from model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
 from model.gpt import GPT
 from model.int4_linear import Int4Linear
 from model.quantize import Int8Linear, quantize_rows

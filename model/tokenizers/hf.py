@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RustTokenizer
 
-from model.tokenizer import IncrementalDetokenizer, TokenizerError, byte_to_unicode
+from model.tokenizers.base import IncrementalDetokenizer, TokenizerError, byte_to_unicode
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

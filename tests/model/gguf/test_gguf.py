@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from model import CheckpointError, load_checkpoint
-from model.gguf_checkpoint import unpermute_rows
+from model.gguf.checkpoint import unpermute_rows
 from model.known_models import fetch_known_model
-from model.tokenizer import load_tokenizer
+from model.tokenizers import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -193,7 +193,7 @@ def test_the_real_files_tokenizer_matches_transformers() -> None:
 
 
 def test_the_real_file_answers_paris() -> None:
-    from model.gguf_checkpoint import read_metadata
+    from model.gguf.checkpoint import read_metadata
     from server.chat.templates import JinjaChatTemplate
 
     path = fetch_known_model("smollm2-135m-instruct")

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from model.hf_tokenizer import HFTokenizer
-from model.tokenizer import load_tokenizer
+from model.tokenizers import HFTokenizer, load_tokenizer
 from tests.conftest import byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -130,7 +129,7 @@ def test_end_tokens_and_bos(byte_level_dir: Path, sentencepiece_dir: Path) -> No
 
 
 def test_a_broken_tokenizer_file_is_one_clear_error(tmp_path: Path) -> None:
-    from model.tokenizer import TokenizerError
+    from model.tokenizers import TokenizerError
 
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="cannot load"):

@@ -3,7 +3,7 @@
 import pytest
 
 from model import get_tokenizer
-from model.tokenizer import TokenizerError
+from model.tokenizers import TokenizerError
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,19 @@ from kernels.cpu.native import native_ops
 from model import CheckpointError, load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
-from model.gguf_blocks import int4_groups, q8_0_split_groups
-from model.gguf_checkpoint import RawTensor
-from model.gguf_quantized import StackedLinear, linear_module
-from model.gguf_rows import FileRows, RefinedHead, RowsEmbedding
+from model.gguf.blocks import int4_groups, q8_0_split_groups
+from model.gguf.checkpoint import RawTensor
+from model.gguf.quantized import StackedLinear, linear_module
+from model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
 from model.int4_linear import Int4Linear
 from model.known_models import fetch_known_model
 from model.quantize import Int8Linear, is_quantized, keep_int8_kernel, quantize_rows
-from model.tokenizer import load_tokenizer
-from tests.model.test_gguf import CASES, k_quant_bytes, write_gguf
+from model.tokenizers import load_tokenizer
+from tests.model.gguf.test_gguf import CASES, k_quant_bytes, write_gguf
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def quantized(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -254,7 +254,7 @@ import gc, json, sys
 import gguf, tokenizers  # libraries' code is not the model's memory
 from engine.loader import load_for_inference
 from model.cpu.malloc_tuning import release_freed_memory
-from model.tokenizer import load_tokenizer
+from model.tokenizers import load_tokenizer
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -300,7 +300,7 @@ def test_smollm2_serves_in_little_more_memory_than_its_file(smollm2: Path) -> No
 
 
 def test_smollm2_at_its_bits_answers_paris(smollm2: Path) -> None:
-    from model.gguf_checkpoint import read_metadata
+    from model.gguf.checkpoint import read_metadata
     from server.chat.templates import JinjaChatTemplate
 
     model, tok = load_checkpoint(smollm2, low_bit=True), load_tokenizer("gguf", smollm2)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from model.gguf_checkpoint import RawTensor
+from model.gguf.checkpoint import RawTensor
 
 REFINED = 16  # logits per row recomputed exactly
 

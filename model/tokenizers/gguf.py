@@ -14,8 +14,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from model.hf_tokenizer import HFTokenizer
-from model.tokenizer import TokenizerError
+from model.tokenizers.base import TokenizerError
+from model.tokenizers.hf import HFTokenizer
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # Llama 3 and Qwen2 differ in how many digits make a word: up to three, or one
