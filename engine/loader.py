@@ -27,6 +27,7 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.cpu import optimize_for_cpu
 from model.cpu.malloc_tuning import release_freed_memory, retain_freed_memory
+from model.cpu.onednn_linear import keep_rows_alike
 from model.dtypes import DTYPES
 from model.gpt import GPT
 from model.int4_linear import int4_supported
@@ -146,6 +147,8 @@ def load_for_inference(
             keep_int8_kernel(model)
         size = weight_bytes(model)
         model = optimize_for_cpu(model, batch_invariant=batch_invariant)
+        if batch_invariant:
+            keep_rows_alike(model)  # oneDNN's products past a decode batch's rows, too
         draft = None
         if draft_path is not None:
             draft = _load(Path(draft_path), resolved, torch_dtype, quantization)

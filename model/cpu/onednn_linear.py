@@ -6,10 +6,14 @@ a weight reordered once, ahead of time, into oneDNN's blocked layout. For one ro
 reading the weights, oneDNN and the per-thread slabs of `PackedLinear` come out about even for a
 layer's matrices. `python bench/cpu_parts.py` measures each against the other.
 
-A row's result does not depend on how many rows are multiplied with it: where oneDNN multiplies
-few rows with another kernel than many (one row of a wide input), such inputs are padded with
-copies of their first row up to the fewest rows that compute as many do (`min_rows`, measured per
-layer when it is built), so a sequence gets the same logits alone and in a batch.
+A row's result does not depend on how many rows are multiplied with it, up to the `PLANNED_ROWS`
+a decode batch has: where oneDNN multiplies few rows with another kernel than many (one row of a
+wide input), such inputs are padded with copies of their first row up to the fewest rows that
+compute as many do (`min_rows`, measured per layer when it is built), so a sequence gets the
+same logits alone and in a batch. Past `PLANNED_ROWS` oneDNN may take yet another kernel
+(bfloat16 with AMX: from 33 rows on, measured per layer as `alike_rows`); `keep_rows_alike`
+then makes such products go in chunks of `alike_rows` rows (batch invariance for prefills too,
+at 2-3x the time of those products).
 
 The reordered weight is an opaque oneDNN tensor: it cannot be sliced, saved or trained. It exists
 for fp32 and bf16 (fp16 needs CPU features the development box lacks); `OneDnnLinear.supports`
@@ -49,6 +53,10 @@ class OneDnnLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.min_rows = _fewest_rows_computed_as_many(self, linear.weight.dtype)
+        # the most rows computed as fewer are (None: any count), and whether products of more
+        # rows go in chunks of that many (`keep_rows_alike`)
+        self.alike_rows = _most_rows_computed_alike(self, linear.weight.dtype, planned_rows)
+        self.chunked = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out); a row's result does not depend on the row count."""
@@ -57,6 +65,14 @@ class OneDnnLinear(nn.Module):
             m = rows.shape[0]
             padded = torch.cat((rows, rows[:1].expand(self.min_rows - m, -1)))  # (min_rows, in)
             return self._product(padded)[:m].view(*x.shape[:-1], self.out_features)
+        if (
+            self.chunked
+            and self.alike_rows is not None
+            and x.numel() > self.alike_rows * x.shape[-1]
+        ):
+            rows = x.reshape(-1, self.in_features)  # (M, in), M > alike_rows
+            out = torch.cat([self(chunk) for chunk in rows.split(self.alike_rows)])  # (M, out)
+            return out.view(*x.shape[:-1], self.out_features)
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +98,31 @@ def _probe(dtype: torch.dtype) -> bool:
                                   rtol=1e-2, atol=1e-2)  # fmt: skip
     except (RuntimeError, AttributeError):
         return False
+
+
+def keep_rows_alike(model: nn.Module) -> None:
+    """Make every oneDNN product of `model` compute each row as it would among `PLANNED_ROWS`
+    rows whatever the row count (batch invariance past a decode batch: a prefill's rows); only
+    layers measured to need it chunk their products."""
+    for module in model.modules():
+        if isinstance(module, OneDnnLinear):
+            module.chunked = True
+
+
+@torch.no_grad()
+def _most_rows_computed_alike(
+    layer: OneDnnLinear, dtype: torch.dtype, planned_rows: int
+) -> int | None:
+    """None where a product of more rows than `planned_rows` computes each row as a product of
+    `planned_rows` rows does (probed on 2 * planned_rows + 1 rows), else `planned_rows`."""
+    gen = torch.Generator().manual_seed(1)
+    rows = 2 * planned_rows + 1
+    normal = torch.randn(rows, layer.in_features, generator=gen)
+    binades = 8 if dtype == torch.float16 else 16
+    x = (normal * 2.0 ** torch.randint(0, binades, normal.shape, generator=gen)).to(dtype)
+    whole = layer._product(x)  # (rows, out)
+    parts = torch.cat([layer._product(chunk) for chunk in x.split(planned_rows)])
+    return None if torch.equal(whole, parts) else planned_rows
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model.cpu.onednn_linear import OneDnnLinear
+from model.cpu.onednn_linear import OneDnnLinear, keep_rows_alike
 
 # x86-64 builds of PyTorch ship oneDNN: there the fast path must be found, never skipped quietly
 X86_WITH_ONEDNN = platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available()
@@ -66,12 +66,18 @@ def test_a_row_comes_out_the_same_whatever_the_number_of_rows(dtype):
     # a wide input, where oneDNN's kernel for one row sums in another order than for several;
     # rows spread over binades, where that order shows through bfloat16's rounding
     layer = OneDnnLinear(nn.Linear(3072, 512).to(dtype))
-    x = (torch.randn(48, 3072) * 2.0 ** torch.randint(0, 12, (48, 3072))).to(dtype)
+    x = (torch.randn(80, 3072) * 2.0 ** torch.randint(0, 12, (80, 3072))).to(dtype)
     with torch.no_grad():
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(48)])  # (48, 512), a row at a time
-        for rows in (2, 3, 7, 16, 33, 48):
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(80)])  # (80, 512), a row at a time
+        for rows in (2, 3, 7, 16, 32):  # up to a decode batch: always
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
         assert torch.equal(layer(x[5].view(1, 1, -1)), alone[5].view(1, 1, -1))  # (1, 1, in)
+        keep_rows_alike(layer)  # past it (a prefill's rows): where oneDNN would differ, chunked
+        for rows in (33, 48, 80):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+        layer.chunked = False  # without: the same where the probe found no other kernel
+        if layer.alike_rows is None:
+            assert torch.equal(layer(x), alone)
 
 
 def test_supports_answers_without_raising_for_every_float_dtype():
