@@ -159,12 +159,42 @@ class ToolCall(_Body):
     function: FunctionCall | None = None
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class _Message(_Body):
+    """What every chat message may carry; each role's own model says what it must."""
+
+    role: str
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, description="the speaker: the chat template's {name}")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantTurn(_Message):
+    """An earlier answer: its content, its calls, or both (checked in server.chat.tools.prompt)."""
+
+    role: Literal["assistant"]
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+
+
+# a message's role says which fields it needs, as OpenAI's API has it: content for every role but
+# the assistant's (whose turn may be calls only)
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantTurn | ToolMessage, Field(discriminator="role")
+]
 
 
 class FunctionDefinition(_Body):
