@@ -60,7 +60,9 @@ class StructuredOutputs(_Body):
     regex: str | None = Field(None, description="the whole output matches it (Rust regex syntax)")
     choice: list[str] | None = Field(None, description="the output is exactly one of these")
     json_object: bool | None = Field(None, description="true: the output is one JSON object")
-    grammar: str | None = Field(None, description="not supported; must be omitted or null")
+    grammar: str | None = Field(
+        None, description="a grammar the output follows: GBNF (llama.cpp's) or Lark (llguidance's)"
+    )
     structural_tag: str | dict[str, Any] | None = Field(
         None, description="not supported; must be omitted or null"
     )
@@ -88,12 +90,16 @@ class StructuredFields(_Body):
     guided_choice: list[str] | None = Field(
         None, description="older vLLM: structured_outputs.choice"
     )
-    guided_grammar: str | None = Field(None, description="not supported; must be omitted or null")
+    guided_grammar: str | None = Field(None, description="older vLLM: structured_outputs.grammar")
+    grammar: str | None = Field(
+        None, description="llama.cpp's server: a GBNF grammar the output follows (Lark too)"
+    )
 
     @property
     def asks_for_structure(self) -> bool:
         """Whether a constraint field is set (its compile then runs off the event loop)."""
-        fields = (self.structured_outputs, self.guided_json, self.guided_regex, self.guided_choice)
+        fields = (self.structured_outputs, self.guided_json, self.guided_regex,
+                  self.guided_choice, self.guided_grammar, self.grammar)  # fmt: skip
         rf = self.response_format
         return (rf is not None and rf.type != "text") or any(f is not None for f in fields)
 

@@ -51,10 +51,10 @@ class LiveServer:
 
     def wait_blocks_free(self, timeout: float = 5.0) -> bool:
         """True once every KV block is back in the pool (bounded wait)."""
-        cache = self.engine.cache
+        blocks = self.engine.blocks
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if cache.num_free_blocks == cache.num_blocks and self.engine.num_running == 0:
+            if blocks.num_free_blocks == blocks.num_blocks and self.engine.num_running == 0:
                 return True
             time.sleep(0.02)
         return False

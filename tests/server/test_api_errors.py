@@ -101,6 +101,7 @@ CASES = [
     (C, comp(guided_regex="a(?=b)"), 400, "guided_regex"),
     (C, comp(guided_choice=[]), 400, "guided_choice"),
     (C, comp(guided_grammar="start: x"), 400, "guided_grammar"),
+    (C, comp(grammar="root ::= (("), 400, "grammar"),
     (H, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
     (H, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     (H, chat(max_tokens=0), 400, "max_tokens"),
