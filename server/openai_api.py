@@ -16,6 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
 from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, TokenEvent, TokenLogprob
+from server.chat.reasoning import ReasoningSplitter
+from server.chat.reasoning import split as split_reasoning
 from server.chat.tools.parser import ToolCallParser
 from server.errors import APIError, error_body
 from server.protocol import (
@@ -61,6 +63,20 @@ class AcceptedRequest:
     timeout: float
     stream_interval: int = 1  # a choice's tokens per chunk after its first (--stream-interval)
     tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice
+    splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)  # by choice
+
+    def split_reasoning(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """Choice `index`'s new text as (reasoning, content) for a stream, where the model's
+        reasoning is split apart (else all of it is content)."""
+        fmt = self.inputs.reasoning
+        if fmt is None:
+            return "", text
+        splitter = self.splitters.setdefault(index, ReasoningSplitter(fmt))
+        reasoning, content = splitter.feed(text)
+        if finished:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def tool_parser(self, index: int) -> ToolCallParser | None:
         """The parser of choice `index`'s tool calls, when the request has tools to call."""
@@ -228,6 +244,9 @@ async def _answer(
 def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
     text, finish_reason = "".join(c.text), c.finish_reason
     parser = accepted.tool_parser(c.index) if accepted.kind == "chat" else None
+    reasoning = None
+    if accepted.kind == "chat" and accepted.inputs.reasoning is not None:
+        reasoning, text = split_reasoning(accepted.inputs.reasoning, text)
     if accepted.kind == "completion":
         body = {"index": c.index, "text": text}
     elif parser is None:
@@ -237,6 +256,8 @@ def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
         accepted.count_tool_calls(message.get("tool_calls", []))
         body = {"index": c.index, "message": message}
         finish_reason = parser.finish_reason(finish_reason)
+    if reasoning is not None:
+        body["message"]["reasoning_content"] = reasoning
     return {**body, "logprobs": accepted.logprobs(c), "finish_reason": finish_reason}
 
 
@@ -300,19 +321,28 @@ def _delta(
     """A stream chunk's choice with what the event released; None when it released nothing
     yet (a held-back stop-string prefix or partial character)."""
     text = "".join(choice.text[text_start:])
+    reasoning = ""
+    if accepted.kind == "chat":
+        reasoning, text = accepted.split_reasoning(
+            choice.index, text, event.finish_reason is not None
+        )
     lps = accepted.logprobs(choice, lp_start)
     new_lps = lps and lps["tokens" if accepted.kind == "completion" else "content"]
-    if not text and event.finish_reason is None and not new_lps:
+    if not text and not reasoning and event.finish_reason is None and not new_lps:
         return None
     finish_reason = event.finish_reason
     parser = accepted.tool_parser(choice.index) if accepted.kind == "chat" else None
     if accepted.kind == "completion":
         body: dict = {"index": choice.index, "text": text}
     elif parser is None:
-        delta = {"content": text} if text or event.finish_reason is None else {}
+        delta = {"content": text} if text or (event.finish_reason is None and not reasoning) else {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         body = {"index": choice.index, "delta": delta}
     else:  # tool calls: the text is read into content and calls, some of it held back
         delta, finish_reason = parser.stream_delta(text, event.finish_reason)
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         if not delta and finish_reason is None and not new_lps:
             return None
         accepted.count_tool_calls(delta.get("tool_calls", []))

@@ -210,6 +210,9 @@ class ChatCompletionRequest(SamplingFields):
         '{"type": "function", "function": {"name": ...}}',
     )
     parallel_tool_calls: bool | None = Field(None, description="more than one call (default)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='variables for the chat template, e.g. {"enable_thinking": false}'
+    )
 
     @property
     def asks_for_structure(self) -> bool:
@@ -336,6 +339,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None when the message is only tool calls
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (--reasoning-parser)
 
 
 class ChatChoice(BaseModel):

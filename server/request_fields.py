@@ -84,7 +84,6 @@ _ENDPOINT: dict[Endpoint, dict[str, Unhonoured]] = {
         ),
         "documents": Unhonoured("the chat template takes no documents"),
         "chat_template": Unhonoured("the checkpoint's chat template is used"),
-        "chat_template_kwargs": Unhonoured("the chat template takes no arguments", ({},)),
         "reasoning_effort": Unhonoured("the model does not reason in a separate channel"),
         "include_reasoning": Unhonoured("there is no separate reasoning", (True, False)),
     },

@@ -16,6 +16,7 @@ from typing import Any
 
 from model import SHAKESPEARE_DIR
 from model.known_models import cached_path, known_name
+from server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
 from server.chat.tools.formats import PARSER_NAMES
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
@@ -83,6 +84,12 @@ class Settings:
     chat_template: str | None = flag(
         None, "a Jinja chat template file used instead of the checkpoint's own"
     )
+    reasoning_parser: str | None = flag(
+        None, "how the model writes its reasoning, returned apart as reasoning_content: qwen3 "
+        "(<think>...</think> before the answer) or deepseek_r1 (the prompt opens <think>, the "
+        "answer closes it); default: what the chat template writes (none when it writes no "
+        "<think>)", choices=REASONING_PARSERS,
+    )  # fmt: skip
     tool_call_parser: str | None = flag(
         None, "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or "
         "llama3_json (a bare JSON object); default: what the chat template writes (llama3_json "

@@ -15,11 +15,20 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import RequestError
+from engine.grammar import AfterToken
 from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
 from engine.sampler import SamplingParams
 from model.tokenizers import Tokenizer
+from server.chat.reasoning import (
+    FORMATS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningFormat,
+    default_format,
+)
 from server.chat.templates import ChatFormat
 from server.chat.tools.formats import ToolCallFormat, format_for_template
 from server.chat.tools.prompt import chat_messages
@@ -38,6 +47,10 @@ from server.settings import Settings
 from server.structured_request import constraint_from_fields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# what a chat template is given by the server, which chat_template_kwargs may not replace
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 @dataclass
@@ -52,6 +65,7 @@ class EngineInputs:
     tool_format: ToolCallFormat | None = None  # chat with tools: how the answer's calls read
     constraint_param: str | None = None  # the field whose grammar constrains the output
     calls_only: bool = False  # chat: the answer is tool calls, never text (content null)
+    reasoning: ReasoningFormat | None = None  # chat: the answer's reasoning, split apart
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -104,6 +118,18 @@ class Validator:
     def tool_format(self) -> ToolCallFormat:
         """How this model writes tool calls (--tool-call-parser, else its chat template's way)."""
         return format_for_template(self.template, self.settings.tool_call_parser)
+
+    @functools.cached_property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How this model writes its reasoning (--reasoning-parser, else its chat template's)."""
+        if self.settings.reasoning_parser is not None:
+            return FORMATS[self.settings.reasoning_parser]
+        return default_format(self.template.source)
+
+    def _single_token(self, text: str) -> int | None:
+        """The one token `text` is, or None where it takes more."""
+        ids = self.tokenizer.encode(text, allow_special=True)
+        return ids[0] if len(ids) == 1 else None
 
     @functools.cached_property
     def request_limits(self) -> RequestLimits:
@@ -162,7 +188,10 @@ class Validator:
         top = req.top_logprobs
         if top and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        ids = self._chat_prompt(req, tools)
+        variables = self._template_variables(req.chat_template_kwargs)
+        ids = self._chat_prompt(req, tools, variables)
+        reasoning = self.reasoning_format
+        thinks = reasoning is not None and variables.get("enable_thinking", True) is not False
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         value = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -181,9 +210,11 @@ class Validator:
         params.stop += [x for x in self.template.stop if x]  # the template's own, not counted
         structured = self._constrain(req, params)  # last: a new grammar costs milliseconds
         if not calls:
+            self._after_reasoning(params, thinks, structured)
             return EngineInputs(
-                [ids], params, bool(req.stream), include_usage, constraint_param=structured
-            )
+                [ids], params, bool(req.stream), include_usage, constraint_param=structured,
+                reasoning=reasoning if thinks else None,
+            )  # fmt: skip
         if structured is not None:
             raise bad_request(
                 f'{structured} cannot be combined with tools unless tool_choice is "none"',
@@ -192,9 +223,11 @@ class Validator:
         params.constraint = tools.constraint(
             self.tool_format, self.tokenizer, self.limits.vocab_size
         )
+        self._after_reasoning(params, thinks, "tool_choice")
         return EngineInputs(
             [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format,
             constraint_param="tool_choice", calls_only=tools.calls_only,
+            reasoning=reasoning if thinks else None,
         )  # fmt: skip
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
@@ -235,12 +268,46 @@ class Validator:
                 texts.append(None)
         return ids, texts
 
-    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+    def _template_variables(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's `chat_template_kwargs`, which may not replace what the server passes."""
+        kwargs = kwargs or {}
+        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise bad_request(
+                f"chat_template_kwargs cannot set {', '.join(taken)} (the server sets it)",
+                "chat_template_kwargs",
+            )
+        return kwargs
+
+    def _after_reasoning(self, params: SamplingParams, thinks: bool, param: str | None) -> None:
+        """A reasoning model's constraint starts after its thinking (`</think>`)."""
+        if not thinks or params.constraint is None:
+            return
+        end = self._single_token(THINK_CLOSE)
+        fmt = self.reasoning_format
+        opening = (
+            self._single_token(THINK_OPEN) if fmt is not None and fmt.opens_in_output else None
+        )
+        if end is None or (fmt is not None and fmt.opens_in_output and opening is None):
+            raise bad_request(
+                f"{param}: this tokenizer has no single {THINK_OPEN} and {THINK_CLOSE} token, "
+                "so the constraint "
+                "cannot start after the reasoning; send chat_template_kwargs "
+                '{"enable_thinking": false}',
+                param,
+            )
+        params.constraint = AfterToken(
+            params.constraint, end, self.tokenizer.vocab_size, opening=opening
+        )
+
+    def _chat_prompt(
+        self, req: ChatCompletionRequest, tools: ToolRequest | None, variables: dict[str, Any]
+    ) -> list[int]:
         messages, shown_tools = chat_messages(
             req.messages, tools, self.tool_format, self.template.knows_tools
         )
         try:
-            text = self.template.render_messages(messages, shown_tools)
+            text = self.template.render_messages(messages, shown_tools, **variables)
         except ValueError as exc:  # a Jinja template raised (raise_exception) or failed
             raise bad_request(f"the chat template failed: {exc}", "messages") from None
         allow = True if self.template.specials_in_prompt else None  # the template's own tokens

@@ -87,6 +87,8 @@ CASES = [
     (H, chat(messages=[{"role": "system", "content": None}, *USER]), 400, "messages"),
     (H, chat(messages=[*USER, {"role": "assistant"}]), 400, "messages"),
     (H, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages"),
+    (H, chat(chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs"),
+    (H, chat(chat_template_kwargs=["enable_thinking"]), 400, "chat_template_kwargs"),
     (H, chat(messages=[{"role": "user", "content": "go " * 300}]), 400, "messages"),
     (H, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (H, chat(top_logprobs=2), 400, "top_logprobs"),
