@@ -10,11 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.block_manager import BlockManager
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestError
 from engine.loader import load_for_inference
 from engine.pooling import EmbeddingSpec, PoolingParams
 from engine.sampler import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.step_plan import StepKind
+from model import get_tokenizer
 from tests.model.test_hf_llama import VOCAB, make
 from tests.server.test_hf_models_served import save_word_tokenizer
 
@@ -145,3 +150,44 @@ def test_the_checkpoint_names_its_pooling_and_matryoshka_widths(tmp_path: Path) 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
     assert EmbeddingSpec.read(gguf, 64) == EmbeddingSpec("last", 64, False)
+
+
+def test_the_plan_gives_embeddings_hidden_rows_and_no_logits_rows() -> None:
+    """Packed order: a decode, a mean-pooled chunk that ends inside its prompt, a last-pooled
+    chunk that ends its prompt. Hidden rows: every position of the mean one's chunk, the last
+    one's last token; logits rows: the decode's only. Neither embedding reuses a cached prefix."""
+    tok = get_tokenizer()
+    blocks = BlockManager(64, 4, torch.device("cpu"))
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_batch_tokens=12)
+    gen = Sequence(0, "gen", 0, list(range(1, 9)), SamplingParams(max_tokens=4), tok)
+    scheduler.add(gen)
+    plan = scheduler.schedule()
+    blocks.prepare([(p.seq.seq_id, p.num_tokens) for p in plan.scheduled])
+    gen.num_cached = 8
+    blocks.register_full_blocks(gen.seq_id, gen.token_ids, None)
+    gen.token_ids.append(50)  # decoding from now on
+    emb = dict(max_tokens=0)
+    mean = Sequence(1, "mean", 0, list(range(1, 17)), SamplingParams(**emb, pooling=PoolingParams("mean")), tok)  # fmt: skip
+    last = Sequence(2, "last", 0, list(range(1, 5)), SamplingParams(**emb, pooling=PoolingParams("last")), tok)  # fmt: skip
+    scheduler.add(mean)
+    scheduler.add(last)
+    plan = scheduler.schedule()
+    assert [(p.seq.request_id, p.kind, p.num_tokens) for p in plan.scheduled] == [
+        ("gen", StepKind.DECODE, 1), ("mean", StepKind.PREFILL, 11),
+    ]  # fmt: skip
+    assert mean.num_cached == 0  # its prompt starts like gen's, but it reuses nothing
+    assert plan.logits_positions == [0]
+    assert plan.hidden_positions == list(range(1, 12))
+    part = plan.scheduled[1]
+    assert part.num_rows == 0 and not part.pools and part.hidden_rows == slice(0, 11)
+    blocks.prepare([(p.seq.seq_id, p.num_tokens) for p in plan.scheduled])
+    gen.num_cached += 1
+    gen.token_ids.append(51)
+    mean.num_cached = 11
+    plan = scheduler.schedule()
+    assert [(p.seq.request_id, p.num_tokens, p.pools) for p in plan.scheduled] == [
+        ("gen", 1, False), ("mean", 5, True), ("last", 4, True),
+    ]  # fmt: skip
+    assert plan.logits_positions == [0]
+    assert plan.hidden_positions == [1, 2, 3, 4, 5, 9]  # mean's five, last's last
+    assert plan.scheduled[2].hidden_rows == slice(5, 6)
