@@ -220,6 +220,23 @@ class ChatCompletionRequest(SamplingFields):
         return bool(self.tools) or super().asks_for_structure
 
 
+class EmbeddingRequest(_Body):
+    input: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a string, a list of strings, a list of token ids or a list of such lists "
+        "(up to --max-prompts inputs)"
+    )
+    model: str | None = Field(None, description="served model name; omitted means the served one")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: little-endian float32 bytes"
+    )
+    dimensions: int | None = Field(
+        None,
+        description="the model's hidden size, or for a Matryoshka-trained model a width it "
+        "was trained for",
+    )
+    user: str | None = None
+
+
 class TokenizeRequest(_Body):
     prompt: str
     model: str | None = None
@@ -369,6 +386,24 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TokenizeResponse(BaseModel):

@@ -14,6 +14,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.pooling import POOLING_MODES
 from model import SHAKESPEARE_DIR
 from model.known_models import cached_path, known_name
 from server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
@@ -173,6 +174,12 @@ class Settings:
         "bfloat16 and large int8 batches (docs/RELIABILITY.md); CPU only, not with "
         "speculative decoding", group="engine",
     )  # fmt: skip
+    pooling: str | None = flag(
+        None, "how /v1/embeddings pools the final hidden states: last = the last token's "
+        "(Qwen3-Embedding's way), mean = the mean over the prompt's tokens, either L2-normalized; "
+        "default: the checkpoint's sentence-transformers 1_Pooling/config.json when it has one, "
+        "else last", group="engine", choices=POOLING_MODES,
+    )  # fmt: skip
     max_consecutive_failed_steps: int = flag(
         3, "engine steps failing in a row after which the engine takes no more work: /health "
         "and new requests answer 503 engine_unhealthy (a step that succeeds resets the count)",
@@ -191,7 +198,10 @@ class Settings:
         None, "max_tokens per request (400 above; default: context length)", group="limits", low=1
     )
     max_n: int = flag(8, "n per request (400 above)", group="limits", low=1)
-    max_prompts: int = flag(16, "prompts in one completions request (400 above)", group="limits", low=1)  # fmt: skip
+    max_prompts: int = flag(
+        16, "prompts in one completions request, inputs in one embeddings request (400 above)",
+        group="limits", low=1,
+    )  # fmt: skip
     max_stop: int = flag(4, "stop strings per request (400 above)", group="limits", low=0)
     max_stop_length: int = flag(64, "characters per stop string (400 above)", group="limits", low=0)
     max_logit_bias: int = flag(300, "logit_bias entries (400 above)", group="limits", low=0)

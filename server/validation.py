@@ -20,6 +20,7 @@ from typing import Any
 from engine.errors import RequestError
 from engine.grammar import AfterToken
 from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
+from engine.pooling import EmbeddingSpec, PoolingParams
 from engine.sampler import SamplingParams
 from model.tokenizers import Tokenizer
 from server.chat.reasoning import (
@@ -38,6 +39,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     SamplingFields,
     StructuredFields,
     TokenizeRequest,
@@ -66,6 +68,15 @@ class EngineInputs:
     constraint_param: str | None = None  # the field whose grammar constrains the output
     calls_only: bool = False  # chat: the answer is tool calls, never text (content null)
     reasoning: ReasoningFormat | None = None  # chat: the answer's reasoning, split apart
+
+
+@dataclass
+class EmbeddingInputs:
+    """One accepted embeddings request: its inputs as token ids, pooled with params.pooling."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    base64: bool = False  # encoding_format "base64"
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -113,6 +124,7 @@ class Validator:
     name: str  # the served model's name
     tokenizer: Tokenizer
     template: ChatFormat
+    embedding_spec: EmbeddingSpec = EmbeddingSpec()  # the served model's pooling and widths
 
     @functools.cached_property
     def tool_format(self) -> ToolCallFormat:
@@ -230,6 +242,26 @@ class Validator:
             reasoning=reasoning if thinks else None,
         )  # fmt: skip
 
+    def embedding(self, req: EmbeddingRequest) -> EmbeddingInputs:
+        """An embeddings request: its inputs, admitted like prompts that generate nothing."""
+        check_model(req.model, self.name)
+        spec = self.embedding_spec
+        dims = req.dimensions
+        if dims is not None and not spec.allows(dims):
+            widths = (
+                f"one of {', '.join(map(str, spec.matryoshka))}"
+                if isinstance(spec.matryoshka, tuple)
+                else f"at most {spec.hidden_size}"
+                if spec.matryoshka
+                else f"{spec.hidden_size} (the model is not Matryoshka-trained)"
+            )
+            raise bad_request(f"dimensions must be {widths}", "dimensions")
+        keep = None if dims is None or dims == spec.hidden_size else dims
+        params = SamplingParams(max_tokens=0, pooling=PoolingParams(spec.pooling, keep))
+        prompts = self._embedding_inputs(req.input)
+        self._admit(prompts, params, FieldNames(prompt="input"), False)
+        return EmbeddingInputs(prompts, params, req.encoding_format == "base64")
+
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         check_model(req.model, self.name)
         return encode_text(self.tokenizer, req.prompt, "prompt") if req.prompt else []
@@ -299,6 +331,32 @@ class Validator:
         params.constraint = AfterToken(
             params.constraint, end, self.tokenizer.vocab_size, opening=opening
         )
+
+    def _embedding_inputs(self, inputs: str | list) -> list[list[int]]:
+        """An embeddings request's inputs as token ids (text tokenized as a prompt is)."""
+        if isinstance(inputs, str):
+            items: list = [inputs]
+        elif inputs and all(isinstance(t, int) for t in inputs):
+            items = [inputs]
+        else:
+            items = list(inputs)
+        if not items:
+            raise bad_request("input must not be empty", "input")
+        limit = self.settings.max_prompts
+        if len(items) > limit:  # before tokenizing them all
+            raise bad_request(f"at most {limit} inputs per request", "input")
+        ids: list[list[int]] = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("input strings must not be empty", "input")
+                ids.append(encode_text(self.tokenizer, item, "input", add_special_tokens=True))
+            else:
+                if not item:
+                    raise bad_request("a token-id input must not be empty", "input")
+                self._check_token_ids(item, "input")
+                ids.append(list(item))
+        return ids
 
     def _chat_prompt(
         self, req: ChatCompletionRequest, tools: ToolRequest | None, variables: dict[str, Any]
