@@ -1,6 +1,6 @@
 """The FastAPI application: `create_app(settings)` builds one; `python -m server` runs one.
 
-Besides the OpenAI routes (server.openai_api) it serves /health, /metrics, /v1/models,
+Besides the OpenAI routes (server.openai_api, server.responses.api) it serves /health, /metrics, /v1/models,
 /tokenize, /detokenize and the playground (server/static) at /. A plain ASGI gate in front of
 everything enforces the concurrency cap, API keys and the body-size limit before any body is parsed.
 """
@@ -32,6 +32,8 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.responses.api import router as responses_router
+from server.responses.store import ResponseStore
 from server.runtime import LoadedModel, ServerState, load_model
 from server.settings import Settings
 from server.streams import ClientGone
@@ -208,6 +210,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.server = state
+    app.state.responses = ResponseStore(settings.responses_store_size)  # server.responses
     install_error_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -215,6 +218,7 @@ def create_app(
         return Response(status_code=499)  # nobody reads it; the request was aborted
 
     app.include_router(openai_router)
+    app.include_router(responses_router)
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
