@@ -63,7 +63,11 @@ class AcceptedRequest:
     timeout: float
     stream_interval: int = 1  # a choice's tokens per chunk after its first (--stream-interval)
     tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice
+    endpoint: str = ""  # the metrics' label (default: kind)
     splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)  # by choice
+
+    def __post_init__(self) -> None:
+        self.endpoint = self.endpoint or self.kind
 
     def split_reasoning(self, index: int, text: str, finished: bool) -> tuple[str, str]:
         """Choice `index`'s new text as (reasoning, content) for a stream, where the model's
@@ -190,17 +194,19 @@ def _check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
         )  # fmt: skip
 
 
-async def _answer(
+async def accept(
     state: ServerState,
     kind: str,
     validate: Callable[[Validator], EngineInputs],
     request: Request,
     compiles: bool = False,
-) -> Response:
-    """Check a request, queue it and answer it: a stream, or the whole completion.
+    endpoint: str | None = None,
+) -> AcceptedRequest:
+    """Check a request and take it in: its engine inputs, its tenant's cache salt, its tracker.
 
     compiles: the request carries a structured-output constraint, whose grammar is compiled
     while checking it (milliseconds, up to a few hundred for a huge schema): off the event loop.
+    endpoint: the metrics' label when it is not `kind` (the Responses API runs as a chat).
     """
     async_engine = state.require_ready()
     if compiles:
@@ -219,15 +225,27 @@ async def _answer(
         len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter()
     )
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    accepted = AcceptedRequest(
+    return AcceptedRequest(
         kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, async_engine, inputs,
         tracker, state.settings.request_timeout, state.settings.stream_interval,
+        endpoint=endpoint or kind,
     )  # fmt: skip
-    if inputs.stream:
+
+
+async def _answer(
+    state: ServerState,
+    kind: str,
+    validate: Callable[[Validator], EngineInputs],
+    request: Request,
+    compiles: bool = False,
+) -> Response:
+    """Check a request, queue it and answer it: a stream, or the whole completion."""
+    accepted = await accept(state, kind, validate, request, compiles)
+    if accepted.inputs.stream:
         return StreamingResponse(
             _stream(accepted), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    await _collect(accepted, request)
+    await collect(accepted, request)
     choices = [_whole_choice(accepted, c) for c in accepted.tracker.choices]
     obj = "text_completion" if kind == "completion" else "chat.completion"
     out = {
@@ -289,10 +307,10 @@ def _events(accepted: AcceptedRequest, watch: Request | None = None):  # noqa: A
     )
 
 
-async def _collect(accepted: AcceptedRequest, request: Request) -> None:
+async def collect(accepted: AcceptedRequest, request: Request) -> None:
     """Run a non-streaming request to the end; a client that hangs up aborts it."""
     prompt_lps: dict = {}
-    endpoint = accepted.kind
+    endpoint = accepted.endpoint
     try:
         async with _events(accepted, watch=request) as events:
             async for index, event in events:
@@ -350,10 +368,47 @@ def _delta(
     return {**body, "logprobs": lps, "finish_reason": finish_reason}
 
 
+async def stream_pieces(accepted: AcceptedRequest) -> AsyncIterator[dict]:
+    """A stream's choice pieces (what `_delta` builds), in order, honouring --stream-interval and
+    ending each choice cut short by --request-timeout; a failure is an APIError."""
+    prompt_lps: dict = {}
+    held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
+    sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
+    try:
+        async with _events(accepted) as events:
+            async for index, event in events:
+                choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
+                if choice.error is not None:
+                    raise _failed(accepted, choice)
+                text_start, lp_start = held.pop(index, (text_start, lp_start))
+                if (
+                    event.finish_reason is None
+                    and index in sent
+                    and choice.num_generated - sent[index] < accepted.stream_interval
+                ):
+                    held[index] = (text_start, lp_start)  # --stream-interval: not yet
+                    continue
+                piece = _delta(accepted, choice, event, text_start, lp_start)
+                if piece is not None:
+                    sent[index] = choice.num_generated
+                    yield piece
+    except RequestTimeout:  # each unfinished choice ends here, with what it generated
+        for choice in accepted.tracker.choices:
+            if choice.finish_reason is not None or choice.error is not None:
+                continue
+            choice.finish_reason = TIMEOUT_FINISH
+            text_start, lp_start = held.pop(choice.index, (len(choice.text), len(choice.lp_tokens)))  # fmt: skip
+            cut = TokenEvent(accepted.id, choice.index, [], "", [], TIMEOUT_FINISH)
+            piece = _delta(accepted, choice, cut, text_start, lp_start)
+            if piece is not None:
+                yield piece
+    except EngineDeadError as exc:
+        raise _engine_stopped(exc) from None
+
+
 async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
     """SSE chunks; errors after the start are one error event, then [DONE]."""
     status: int | str = 200
-    prompt_lps: dict = {}
     try:
         if accepted.kind == "chat":
             calls_only = accepted.inputs.calls_only
@@ -368,38 +423,9 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
                 for c in accepted.tracker.choices
             ]
             yield sse(accepted.chunk(opening))
-        held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
-        sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
-        try:
-            async with _events(accepted) as events:
-                async for index, event in events:
-                    choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
-                    if choice.error is not None:
-                        raise _failed(accepted, choice)
-                    text_start, lp_start = held.pop(index, (text_start, lp_start))
-                    if (
-                        event.finish_reason is None
-                        and index in sent
-                        and choice.num_generated - sent[index] < accepted.stream_interval
-                    ):
-                        held[index] = (text_start, lp_start)  # --stream-interval: not yet
-                        continue
-                    piece = _delta(accepted, choice, event, text_start, lp_start)
-                    if piece is not None:
-                        sent[index] = choice.num_generated
-                        yield sse(accepted.chunk([piece]))
-        except RequestTimeout:  # each unfinished choice ends here, with what it generated
-            for choice in accepted.tracker.choices:
-                if choice.finish_reason is not None or choice.error is not None:
-                    continue
-                choice.finish_reason = TIMEOUT_FINISH
-                text_start, lp_start = held.pop(choice.index, (len(choice.text), len(choice.lp_tokens)))  # fmt: skip
-                cut = TokenEvent(accepted.id, choice.index, [], "", [], TIMEOUT_FINISH)
-                piece = _delta(accepted, choice, cut, text_start, lp_start)
-                if piece is not None:
-                    yield sse(accepted.chunk([piece]))
-        except EngineDeadError as exc:
-            raise _engine_stopped(exc) from None
+        async with aclosing(stream_pieces(accepted)) as pieces:
+            async for piece in pieces:
+                yield sse(accepted.chunk([piece]))
         if accepted.inputs.include_usage:
             final = accepted.chunk([])
             final["usage"] = accepted.usage()
@@ -409,7 +435,7 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
         yield sse(error_body(exc.message, exc.type, exc.param, exc.code), ascii_only=True)
     except BaseException:  # cancelled: the client went away (the engine request is aborted)
         status = "disconnected"
-        accepted.tracker.finish(accepted.kind, status)
+        accepted.tracker.finish(accepted.endpoint, status)
         raise
     yield SSE_DONE
-    accepted.tracker.finish(accepted.kind, status)
+    accepted.tracker.finish(accepted.endpoint, status)

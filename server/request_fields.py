@@ -117,10 +117,10 @@ def check_extra_fields(req: SamplingFields, endpoint: Endpoint, tokenizer: Token
         names = ", ".join(name for name, _ in refused)
         raise bad_request(f"not supported by this server: {names} ({first}: {rule.why})", first)
     if ignored:
-        log.warning(IGNORED_WARNING, _names(ignored))
+        log.warning(IGNORED_WARNING, logged_names(ignored))
 
 
-def _names(names: list[str]) -> str:
+def logged_names(names: list[str]) -> str:
     """{'a', 'b'} with each name cut short and at most MAX_NAMES_LOGGED of them (repr escapes
     newlines, so a made-up key cannot forge log lines)."""
     shown = [repr(n[:MAX_NAME_LENGTH]) for n in sorted(names)[:MAX_NAMES_LOGGED]]

@@ -206,6 +206,10 @@ class Settings:
     max_stop_length: int = flag(64, "characters per stop string (400 above)", group="limits", low=0)
     max_logit_bias: int = flag(300, "logit_bias entries (400 above)", group="limits", low=0)
     max_body_bytes: int = flag(1_000_000, "request body bytes (413 above)", group="limits", low=1)
+    responses_store_size: int = flag(
+        1000, "responses kept per API key for previous_response_id and GET /v1/responses/{id} "
+        "(least recently used dropped first; 0: none are kept)", low=0,
+    )  # fmt: skip
     max_concurrent_requests: int = flag(
         512, "HTTP requests in flight (429 above; /health and /metrics not counted)",
         group="limits", low=1,
