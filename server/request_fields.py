@@ -112,6 +112,12 @@ def check_extra_fields(req: SamplingFields, endpoint: Endpoint, tokenizer: Token
         refused.append(
             ("stream_options", Unhonoured("continuous_usage_stats: usage comes in the last chunk"))
         )
+    refuse_or_log(refused, ignored)
+
+
+def refuse_or_log(refused: list[tuple[str, Unhonoured]], ignored: list[str]) -> None:
+    """A 400 naming the refused fields (the first is the `param`), else one warning line naming
+    the ignored ones."""
     if refused:
         first, rule = refused[0]
         names = ", ".join(name for name, _ in refused)

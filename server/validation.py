@@ -115,6 +115,15 @@ def encode_text(
     return tokenizer.encode(text, allow_special, add_special_tokens)
 
 
+def _items(value: str | list, param: str) -> list:
+    """A prompt field's items: a string or a list of token ids is one; else the list's items."""
+    if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+        return [value]
+    if not value:
+        raise bad_request(f"{param} must not be empty", param)
+    return list(value)
+
+
 @dataclass(frozen=True)
 class Validator:
     """Checks requests for one served model against the server's and the engine's limits."""
@@ -277,15 +286,7 @@ class Validator:
         self, req: CompletionRequest
     ) -> tuple[list[list[int]], list[str | None]]:
         """The request's prompts as token ids, and their original text when given as text."""
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise bad_request("prompt must not be empty", "prompt")
+        items = _items(req.prompt, "prompt")
         ids: list[list[int]] = []
         texts: list[str | None] = []
         for item in items:
@@ -334,14 +335,7 @@ class Validator:
 
     def _embedding_inputs(self, inputs: str | list) -> list[list[int]]:
         """An embeddings request's inputs as token ids (text tokenized as a prompt is)."""
-        if isinstance(inputs, str):
-            items: list = [inputs]
-        elif inputs and all(isinstance(t, int) for t in inputs):
-            items = [inputs]
-        else:
-            items = list(inputs)
-        if not items:
-            raise bad_request("input must not be empty", "input")
+        items = _items(inputs, "input")
         limit = self.settings.max_prompts
         if len(items) > limit:  # before tokenizing them all
             raise bad_request(f"at most {limit} inputs per request", "input")

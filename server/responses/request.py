@@ -11,7 +11,6 @@ their value asks for what happens anyway; unknown fields are ignored with one lo
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,9 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, Finite
-from server.request_fields import IGNORED_WARNING, Unhonoured, logged_names
-
-log = logging.getLogger(__name__)
+from server.request_fields import Unhonoured, refuse_or_log
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds
 MAX_METADATA_KEY = 64
@@ -143,12 +140,7 @@ def check_fields(req: ResponsesRequest) -> None:
             refused.append((name, rule))
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         refused.append(("text", Unhonoured("text.verbosity: the model has one verbosity")))
-    if refused:
-        first, rule = refused[0]
-        names = ", ".join(name for name, _ in refused)
-        raise bad_request(f"not supported by this server: {names} ({first}: {rule.why})", first)
-    if ignored:
-        log.warning(IGNORED_WARNING, logged_names(ignored))
+    refuse_or_log(refused, ignored)
     metadata = req.metadata or {}
     if len(metadata) > MAX_METADATA_PAIRS:
         raise bad_request(f"metadata holds at most {MAX_METADATA_PAIRS} pairs", "metadata")
