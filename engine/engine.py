@@ -3,8 +3,10 @@
 `Engine.step()` reads top to bottom: the speculator offers guesses, the scheduler plans the step
 (a `StepPlan`: decodes, verifications, prefill chunks), the model runner runs its one packed
 forward over the paged KV cache, and `_update` hands each sequence its logits rows (sample,
-verify, score the prompt) and turns the results into events. It is synchronous and
-single-threaded; `engine.async_engine` drives it from a thread.
+verify, score the prompt) and turns the results into events. An embedding request
+(`SamplingParams.pooling`, engine.pooling) is prefilled like any prompt and pooled from the same
+forward's final hidden states; its last chunk ends it with one event carrying its vector. It is
+synchronous and single-threaded; `engine.async_engine` drives it from a thread.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class _Request:
     forked: bool = False
     prompt_lp: list[TokenLogprob | None] = field(default_factory=list)
     prompt_lp_sent: bool = False
+    pooled: torch.Tensor | None = None  # an embedding's: the sum (mean) or last state so far
 
 
 class Engine:
@@ -201,8 +204,9 @@ class Engine:
             )
         try:
             step = self.blocks.prepare([(s.seq.seq_id, s.num_tokens) for s in plan.scheduled])
-            logits = self.runner.run(plan, step)  # (len(plan.logits_positions), V)
-            return self._update(plan, logits)
+            # (len(plan.logits_positions), V), and (len(plan.hidden_positions), C) or None
+            logits, hidden = self.runner.run_step(plan, step)
+            return self._update(plan, logits, hidden)
         except Exception as exc:  # a failed step fails only its own requests
             self.num_failed_steps += 1
             log.exception("engine step failed: %s", exc)
@@ -218,9 +222,12 @@ class Engine:
             log.exception("speculative proposal failed")
             return {}
 
-    def _update(self, plan: StepPlan, logits: torch.Tensor) -> list[TokenEvent]:
+    def _update(
+        self, plan: StepPlan, logits: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> list[TokenEvent]:
         """Apply the step's logits (len(plan.logits_positions), V) to its sequences: verify
-        guesses, score prompts, count the new tokens as cached, draw the next tokens."""
+        guesses, score prompts, count the new tokens as cached, draw the next tokens; pool
+        embeddings from hidden (len(plan.hidden_positions), C) and end those done."""
         events: list[TokenEvent] = []
         to_sample: list[tuple[Sequence, int]] = []  # (sequence, logits row)
         for part in plan.scheduled:
@@ -235,6 +242,9 @@ class Engine:
                     log.exception("request %s failed in verification", req.request_id)
                     message = f"generation failed: {exc}"
                     events.extend(self._fail_request(req, message, SEQUENCE_ERROR))
+                continue
+            if req.params.pooling is not None:
+                events.extend(self._pool(req, part, hidden))
                 continue
             if part.scores_prompt:
                 self._score_prompt(req, seq.num_cached, logits[part.rows])
@@ -252,6 +262,34 @@ class Engine:
         if to_sample:
             events.extend(self._sample(to_sample, logits))
         return events
+
+    def _pool(
+        self, req: _Request, part: ScheduledSeq, hidden: torch.Tensor | None
+    ) -> list[TokenEvent]:
+        """An embedding's chunk: add its rows to the pooled state; after its last chunk, its one
+        event with the vector, and it ends (its blocks freed at once)."""
+        seq, pooling = part.seq, req.params.pooling
+        rows = None if hidden is None else hidden[part.hidden_rows].float()
+        if seq.num_cached == 0:  # its first chunk (again, after a preemption): start over
+            req.pooled = None
+        if rows is not None and len(rows):
+            if pooling.mode == "mean":
+                total = rows.sum(0)
+                req.pooled = total if req.pooled is None else req.pooled + total
+            else:
+                req.pooled = rows[-1]
+        seq.num_cached += part.num_tokens
+        self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+        if not part.pools:
+            return []
+        if req.pooled is None:
+            raise RuntimeError("an embedding ended without its hidden states")
+        vector = pooling.finish(req.pooled, len(req.prompt_ids))
+        seq.finish_reason = "stop"
+        event = self._event(req, seq, [], "", [], "stop")
+        event.embedding = vector
+        self._retire(req, seq)
+        return [event]
 
     def _score_prompt(self, req: _Request, start: int, logits: torch.Tensor) -> None:
         """Record logprobs of prompt tokens start+1 .. predicted by logits (n, V)."""

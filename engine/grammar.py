@@ -359,6 +359,84 @@ class Constraint:
         self._m.reset()
 
 
+class AfterToken:
+    """A constraint that starts after a token: until `token` is sampled every token but the end
+    of text is allowed (the text is free and cannot end there), then `inner` constrains the
+    rest; with `opening`, that token comes first. A reasoning model's thinking stays free and
+    its answer follows the grammar (`server.chat.reasoning`: `<think>` ... `</think>`). It
+    answers what the engine asks of a `Constraint`."""
+
+    def __init__(
+        self, inner: Constraint, token: int, text_ids: int, opening: int | None = None
+    ) -> None:
+        self.inner = inner
+        self.token = token
+        self.text_ids = text_ids  # ids below it are the tokenizer's (above: padding, never)
+        self.opening = opening
+        self.state = "free" if opening is None else "opening"  # -> "free" -> "started"
+        self.kind = inner.kind
+        self.vocab_size = inner.vocab_size
+        self.eos_token = inner.eos_token
+
+    @property
+    def seconds(self) -> float:
+        return self.inner.seconds
+
+    @property
+    def error(self) -> str | None:
+        return self.inner.error
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        if self.state == "started":
+            self.inner.fill_bitmask(bitmask, row)
+            return
+        _check_bitmask(bitmask, row + 1)
+        if self.state == "opening":
+            bitmask[row] = 0
+            bitmask[row, self.opening // 32] = _bit(self.opening % 32)
+            return
+        bitmask[row] = -1
+        bitmask[row, self.eos_token // 32] &= ~_bit(self.eos_token % 32)  # no end before the answer
+        first, used = divmod(self.text_ids, 32)  # the ids past the tokenizer's: never
+        if used:
+            bitmask[row, first] &= (1 << used) - 1
+            first += 1
+        bitmask[row, first:] = 0
+
+    def allowed_mask(self) -> torch.Tensor:
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        self.fill_bitmask(bitmask)
+        return bitmask_to_bool(bitmask, self.vocab_size)[0]
+
+    def advance(self, token: int) -> None:
+        if self.state == "started":
+            self.inner.advance(token)
+        elif self.state == "opening":
+            if token != self.opening:
+                raise ConstraintViolation(f"token {token} is not allowed here: {self.opening} is")
+            self.state = "free"
+        elif token == self.token:
+            self.state = "started"
+        elif token == self.eos_token:
+            raise ConstraintViolation("the output ended before its constrained part began")
+
+    def accepts_eos(self) -> bool:
+        return self.state == "started" and self.inner.accepts_eos()
+
+    def is_finished(self) -> bool:
+        return self.state == "started" and self.inner.is_finished()
+
+    def fork(self) -> AfterToken:
+        copy = AfterToken(self.inner.fork(), self.token, self.text_ids, self.opening)
+        copy.state = self.state
+        return copy
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as a signed int32."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
+
+
 def compile_constraint(
     kind: ConstraintKind, spec: object, tokenizer: Tokenizer, *, vocab_size: int | None = None
 ) -> Constraint:
@@ -448,10 +526,15 @@ def fill_bitmask(
         for c, i in rows:
             c.fill_bitmask(bitmask, i)
     elif rows:
-        _executor().unsafe_compute_mask_ptr(
-            [(c._m, i) for c, i in rows], bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
-        )
+        pooled = [(c, i) for c, i in rows if isinstance(c, Constraint)]
         for c, i in rows:
+            if not isinstance(c, Constraint):  # a wrapper (AfterToken) fills its own row
+                c.fill_bitmask(bitmask, i)
+        _executor().unsafe_compute_mask_ptr(
+            [(c._m, i) for c, i in pooled], bitmask.data_ptr(), bitmask.shape[1] * 4,
+            bitmask.shape[0],
+        )  # fmt: skip
+        for c, i in pooled:
             if c._m.is_error():
                 _eos_only(bitmask, i, c.eos_token)
 

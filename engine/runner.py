@@ -4,7 +4,8 @@ It owns the KV cache's memory and attention (`kernels.paged_kv.KVPools`). Given 
 what the block bookkeeping prepared for it (`engine.block_manager.StepBlocks`: the step's
 attention metadata and the block copies to make first), it makes the copies, packs the plan's
 new tokens into one tensor and runs the model's one forward, asking only for the rows the plan
-needs. What the logits mean (draw, verify, score) is the engine's business.
+needs (and the final hidden states of an embedding's rows). What the logits mean (draw, verify,
+score) is the engine's business.
 """
 
 from __future__ import annotations
@@ -28,14 +29,25 @@ class ModelRunner:
     def run(self, plan: StepPlan, blocks: StepBlocks) -> torch.Tensor:
         """The logits (len(plan.logits_positions), V) of the plan's step, on the model's device;
         raises what the forward raises."""
+        return self.run_step(plan, blocks)[0]
+
+    def run_step(
+        self, plan: StepPlan, blocks: StepBlocks
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits (len(plan.logits_positions), V) and, when the plan has embedding
+        rows, the final hidden states after the final norm (len(plan.hidden_positions), C),
+        from one forward; raises what the forward raises."""
         self.pools.copy_blocks(blocks.copies)
         tokens = [t for s in plan.scheduled for t in s.input_ids()]  # (num_tokens,)
+
+        def index(positions: list[int]) -> torch.Tensor:
+            return torch.tensor(positions, dtype=torch.long, device=self.device)
+
         with torch.inference_mode():
+            args = (torch.tensor(tokens, device=self.device), self.pools, blocks.meta)
+            logits_index = index(plan.logits_positions)
+            if not plan.hidden_positions:
+                return self.model.forward_cached(*args, logits_index=logits_index), None
             return self.model.forward_cached(
-                torch.tensor(tokens, device=self.device),
-                self.pools,
-                blocks.meta,
-                logits_index=torch.tensor(
-                    plan.logits_positions, dtype=torch.long, device=self.device
-                ),
-            )  # (len(plan.logits_positions), V)
+                *args, logits_index=logits_index, hidden_index=index(plan.hidden_positions)
+            )  # (len(logits_positions), V), (len(hidden_positions), C)

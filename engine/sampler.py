@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.errors import RequestError
+from engine.pooling import PoolingParams
 from kernels.cpu.native import logit_stats_op
 
 MAX_LOGPROBS = 20
@@ -53,6 +54,9 @@ class SamplingParams:
     # prefix cache isolation: prompts share cached KV blocks only with prompts of the same salt
     # (None: the shared, unsalted chain); not a sampling choice, but it travels with the request
     cache_salt: str | None = None
+    # an embedding request (engine.pooling): its prompt is pooled into one vector, nothing is
+    # sampled (n 1, max_tokens 0)
+    pooling: PoolingParams | None = None
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise RequestError naming the first bad field; returns self."""
@@ -117,6 +121,10 @@ class SamplingParams:
             "cache_salt",
             "must be a non-empty string",
         )
+        if self.pooling is not None:  # an embedding: one vector of the prompt, nothing sampled
+            check(self.n == 1, "n", "must be 1 for an embedding")
+            check(self.max_tokens == 0, "max_tokens", "must be 0 for an embedding")
+            check(self.prompt_logprobs is None, "prompt_logprobs", "is not for an embedding")
         return self
 
     @property

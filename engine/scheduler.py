@@ -106,8 +106,8 @@ class Scheduler:
         reserved = sum(self.blocks.blocks_needed(s.seq_id, n) for s, n, _ in work)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # prompt logprobs need every prompt position computed: such requests reuse nothing
-            if not self.blocks.holds(seq.seq_id) and seq.params.prompt_logprobs is None:
+            reuses = _reuses_prefix(seq)
+            if not self.blocks.holds(seq.seq_id) and reuses:
                 salt = seq.params.cache_salt
                 seq.num_cached = self.blocks.reuse_prefix(seq.seq_id, seq.token_ids, salt)
             n = min(seq.pending, budget)
@@ -120,7 +120,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            if seq.num_generated == 0 and seq.params.prompt_logprobs is None:  # first admission
+            if seq.num_generated == 0 and reuses:  # first admission
                 seq.num_prefix_hit = seq.num_cached
                 self.blocks.count_prefix_query(seq.num_prompt, seq.num_cached)
             work.append((seq, n, []))
@@ -131,3 +131,10 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
+
+
+def _reuses_prefix(seq: Sequence) -> bool:
+    """Whether a sequence may start from cached prefix blocks. Prompt logprobs need every prompt
+    position computed, and so does an embedding (its pooling reads every position's hidden
+    state, or, for last pooling, is kept independent of what others cached): those reuse nothing."""
+    return seq.params.prompt_logprobs is None and seq.params.pooling is None

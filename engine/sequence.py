@@ -58,6 +58,8 @@ class TokenEvent:
     num_generated: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     text_offsets: list[int] = field(default_factory=list)
+    # an embedding request's one event: its vector (pooled, L2-normalized; engine.pooling)
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

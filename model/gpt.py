@@ -221,10 +221,14 @@ class GPT(nn.Module):
             return None
         return rotary_cos_sin(pos, self.rope_inv_freq.to(pos.device), dtype)
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final hidden states as the head reads them (after ln_f, where the model has one)."""
         if "ln_f" in self.transformer:
             x = self.transformer.ln_f(x)
-        return self.lm_head(x)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self._final_norm(x))
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) final hidden states before ln_f/lm_head."""
@@ -257,11 +261,14 @@ class GPT(nn.Module):
         cache: PagedKV,
         meta: AttentionMetadata,
         logits_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        hidden_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run packed new tokens (N,) through the model, reading and extending the paged cache.
 
         logits_index selects which of the N positions get logits (default: each sequence's last
-        new token). Returns (len(logits_index), vocab_size).
+        new token). Returns (len(logits_index), vocab_size); with hidden_index, also the final
+        hidden states after the final norm (what the head reads) of those positions:
+        (logits, (len(hidden_index), n_embd)), from the same forward (embeddings).
         """
         x = self._embed(tokens, meta.positions)  # (N, C)
         rope = self._rope(meta.positions, x.dtype)
@@ -269,4 +276,7 @@ class GPT(nn.Module):
         for layer, block in enumerate(self.transformer.h):
             x = block.forward_cached(x, cache, layer, plan, rope)
         index = meta.last_token_index if logits_index is None else logits_index
-        return self._head(x[index])  # (M, V)
+        if hidden_index is None:
+            return self._head(x[index])  # (M, V)
+        normed = self._final_norm(x[torch.cat([index, hidden_index])])  # one norm for both
+        return self.lm_head(normed[: len(index)]), normed[len(index) :]

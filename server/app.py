@@ -1,8 +1,9 @@
 """The FastAPI application: `create_app(settings)` builds one; `python -m server` runs one.
 
-Besides the OpenAI routes (server.openai_api) it serves /health, /metrics, /v1/models,
-/tokenize, /detokenize and the playground (server/static) at /. A plain ASGI gate in front of
-everything enforces the concurrency cap, API keys and the body-size limit before any body is parsed.
+Besides the OpenAI routes (server.openai_api, server.embeddings_api, server.responses.api) it
+serves /health, /metrics, /v1/models, /tokenize, /detokenize and the playground (server/static)
+at /. A plain ASGI gate in front of everything enforces the concurrency cap, API keys and the
+body-size limit before any body is parsed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.embeddings_api import router as embeddings_router
 from server.errors import APIError, bad_request, install_error_handlers
 from server.hosts import host_allowed
 from server.metrics import Metrics
@@ -32,6 +34,8 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.responses.api import router as responses_router
+from server.responses.store import ResponseStore
 from server.runtime import LoadedModel, ServerState, load_model
 from server.settings import Settings
 from server.streams import ClientGone
@@ -208,6 +212,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.server = state
+    app.state.responses = ResponseStore(settings.responses_store_size)  # server.responses
     install_error_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -215,6 +220,8 @@ def create_app(
         return Response(status_code=499)  # nobody reads it; the request was aborted
 
     app.include_router(openai_router)
+    app.include_router(embeddings_router)
+    app.include_router(responses_router)
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -16,6 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
 from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, TokenEvent, TokenLogprob
+from server.chat.reasoning import ReasoningSplitter
+from server.chat.reasoning import split as split_reasoning
 from server.chat.tools.parser import ToolCallParser
 from server.errors import APIError, error_body
 from server.protocol import (
@@ -61,6 +63,24 @@ class AcceptedRequest:
     timeout: float
     stream_interval: int = 1  # a choice's tokens per chunk after its first (--stream-interval)
     tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice
+    endpoint: str = ""  # the metrics' label (default: kind)
+    splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)  # by choice
+
+    def __post_init__(self) -> None:
+        self.endpoint = self.endpoint or self.kind
+
+    def split_reasoning(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """Choice `index`'s new text as (reasoning, content) for a stream, where the model's
+        reasoning is split apart (else all of it is content)."""
+        fmt = self.inputs.reasoning
+        if fmt is None:
+            return "", text
+        splitter = self.splitters.setdefault(index, ReasoningSplitter(fmt))
+        reasoning, content = splitter.feed(text)
+        if finished:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def tool_parser(self, index: int) -> ToolCallParser | None:
         """The parser of choice `index`'s tool calls, when the request has tools to call."""
@@ -174,17 +194,19 @@ def _check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
         )  # fmt: skip
 
 
-async def _answer(
+async def accept(
     state: ServerState,
     kind: str,
     validate: Callable[[Validator], EngineInputs],
     request: Request,
     compiles: bool = False,
-) -> Response:
-    """Check a request, queue it and answer it: a stream, or the whole completion.
+    endpoint: str | None = None,
+) -> AcceptedRequest:
+    """Check a request and take it in: its engine inputs, its tenant's cache salt, its tracker.
 
     compiles: the request carries a structured-output constraint, whose grammar is compiled
     while checking it (milliseconds, up to a few hundred for a huge schema): off the event loop.
+    endpoint: the metrics' label when it is not `kind` (the Responses API runs as a chat).
     """
     async_engine = state.require_ready()
     if compiles:
@@ -203,15 +225,27 @@ async def _answer(
         len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter()
     )
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    accepted = AcceptedRequest(
+    return AcceptedRequest(
         kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, async_engine, inputs,
         tracker, state.settings.request_timeout, state.settings.stream_interval,
+        endpoint=endpoint or kind,
     )  # fmt: skip
-    if inputs.stream:
+
+
+async def _answer(
+    state: ServerState,
+    kind: str,
+    validate: Callable[[Validator], EngineInputs],
+    request: Request,
+    compiles: bool = False,
+) -> Response:
+    """Check a request, queue it and answer it: a stream, or the whole completion."""
+    accepted = await accept(state, kind, validate, request, compiles)
+    if accepted.inputs.stream:
         return StreamingResponse(
             _stream(accepted), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    await _collect(accepted, request)
+    await collect(accepted, request)
     choices = [_whole_choice(accepted, c) for c in accepted.tracker.choices]
     obj = "text_completion" if kind == "completion" else "chat.completion"
     out = {
@@ -228,6 +262,9 @@ async def _answer(
 def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
     text, finish_reason = "".join(c.text), c.finish_reason
     parser = accepted.tool_parser(c.index) if accepted.kind == "chat" else None
+    reasoning = None
+    if accepted.kind == "chat" and accepted.inputs.reasoning is not None:
+        reasoning, text = split_reasoning(accepted.inputs.reasoning, text)
     if accepted.kind == "completion":
         body = {"index": c.index, "text": text}
     elif parser is None:
@@ -237,6 +274,8 @@ def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
         accepted.count_tool_calls(message.get("tool_calls", []))
         body = {"index": c.index, "message": message}
         finish_reason = parser.finish_reason(finish_reason)
+    if reasoning is not None:
+        body["message"]["reasoning_content"] = reasoning
     return {**body, "logprobs": accepted.logprobs(c), "finish_reason": finish_reason}
 
 
@@ -268,10 +307,10 @@ def _events(accepted: AcceptedRequest, watch: Request | None = None):  # noqa: A
     )
 
 
-async def _collect(accepted: AcceptedRequest, request: Request) -> None:
+async def collect(accepted: AcceptedRequest, request: Request) -> None:
     """Run a non-streaming request to the end; a client that hangs up aborts it."""
     prompt_lps: dict = {}
-    endpoint = accepted.kind
+    endpoint = accepted.endpoint
     try:
         async with _events(accepted, watch=request) as events:
             async for index, event in events:
@@ -300,19 +339,28 @@ def _delta(
     """A stream chunk's choice with what the event released; None when it released nothing
     yet (a held-back stop-string prefix or partial character)."""
     text = "".join(choice.text[text_start:])
+    reasoning = ""
+    if accepted.kind == "chat":
+        reasoning, text = accepted.split_reasoning(
+            choice.index, text, event.finish_reason is not None
+        )
     lps = accepted.logprobs(choice, lp_start)
     new_lps = lps and lps["tokens" if accepted.kind == "completion" else "content"]
-    if not text and event.finish_reason is None and not new_lps:
+    if not text and not reasoning and event.finish_reason is None and not new_lps:
         return None
     finish_reason = event.finish_reason
     parser = accepted.tool_parser(choice.index) if accepted.kind == "chat" else None
     if accepted.kind == "completion":
         body: dict = {"index": choice.index, "text": text}
     elif parser is None:
-        delta = {"content": text} if text or event.finish_reason is None else {}
+        delta = {"content": text} if text or (event.finish_reason is None and not reasoning) else {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         body = {"index": choice.index, "delta": delta}
     else:  # tool calls: the text is read into content and calls, some of it held back
         delta, finish_reason = parser.stream_delta(text, event.finish_reason)
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         if not delta and finish_reason is None and not new_lps:
             return None
         accepted.count_tool_calls(delta.get("tool_calls", []))
@@ -320,10 +368,47 @@ def _delta(
     return {**body, "logprobs": lps, "finish_reason": finish_reason}
 
 
+async def stream_pieces(accepted: AcceptedRequest) -> AsyncIterator[dict]:
+    """A stream's choice pieces (what `_delta` builds), in order, honouring --stream-interval and
+    ending each choice cut short by --request-timeout; a failure is an APIError."""
+    prompt_lps: dict = {}
+    held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
+    sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
+    try:
+        async with _events(accepted) as events:
+            async for index, event in events:
+                choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
+                if choice.error is not None:
+                    raise _failed(accepted, choice)
+                text_start, lp_start = held.pop(index, (text_start, lp_start))
+                if (
+                    event.finish_reason is None
+                    and index in sent
+                    and choice.num_generated - sent[index] < accepted.stream_interval
+                ):
+                    held[index] = (text_start, lp_start)  # --stream-interval: not yet
+                    continue
+                piece = _delta(accepted, choice, event, text_start, lp_start)
+                if piece is not None:
+                    sent[index] = choice.num_generated
+                    yield piece
+    except RequestTimeout:  # each unfinished choice ends here, with what it generated
+        for choice in accepted.tracker.choices:
+            if choice.finish_reason is not None or choice.error is not None:
+                continue
+            choice.finish_reason = TIMEOUT_FINISH
+            text_start, lp_start = held.pop(choice.index, (len(choice.text), len(choice.lp_tokens)))  # fmt: skip
+            cut = TokenEvent(accepted.id, choice.index, [], "", [], TIMEOUT_FINISH)
+            piece = _delta(accepted, choice, cut, text_start, lp_start)
+            if piece is not None:
+                yield piece
+    except EngineDeadError as exc:
+        raise _engine_stopped(exc) from None
+
+
 async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
     """SSE chunks; errors after the start are one error event, then [DONE]."""
     status: int | str = 200
-    prompt_lps: dict = {}
     try:
         if accepted.kind == "chat":
             calls_only = accepted.inputs.calls_only
@@ -338,38 +423,9 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
                 for c in accepted.tracker.choices
             ]
             yield sse(accepted.chunk(opening))
-        held: dict[int, tuple[int, int]] = {}  # choice -> where its held text starts
-        sent: dict[int, int] = {}  # choice -> its tokens when it last sent a chunk
-        try:
-            async with _events(accepted) as events:
-                async for index, event in events:
-                    choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
-                    if choice.error is not None:
-                        raise _failed(accepted, choice)
-                    text_start, lp_start = held.pop(index, (text_start, lp_start))
-                    if (
-                        event.finish_reason is None
-                        and index in sent
-                        and choice.num_generated - sent[index] < accepted.stream_interval
-                    ):
-                        held[index] = (text_start, lp_start)  # --stream-interval: not yet
-                        continue
-                    piece = _delta(accepted, choice, event, text_start, lp_start)
-                    if piece is not None:
-                        sent[index] = choice.num_generated
-                        yield sse(accepted.chunk([piece]))
-        except RequestTimeout:  # each unfinished choice ends here, with what it generated
-            for choice in accepted.tracker.choices:
-                if choice.finish_reason is not None or choice.error is not None:
-                    continue
-                choice.finish_reason = TIMEOUT_FINISH
-                text_start, lp_start = held.pop(choice.index, (len(choice.text), len(choice.lp_tokens)))  # fmt: skip
-                cut = TokenEvent(accepted.id, choice.index, [], "", [], TIMEOUT_FINISH)
-                piece = _delta(accepted, choice, cut, text_start, lp_start)
-                if piece is not None:
-                    yield sse(accepted.chunk([piece]))
-        except EngineDeadError as exc:
-            raise _engine_stopped(exc) from None
+        async with aclosing(stream_pieces(accepted)) as pieces:
+            async for piece in pieces:
+                yield sse(accepted.chunk([piece]))
         if accepted.inputs.include_usage:
             final = accepted.chunk([])
             final["usage"] = accepted.usage()
@@ -379,7 +435,7 @@ async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:
         yield sse(error_body(exc.message, exc.type, exc.param, exc.code), ascii_only=True)
     except BaseException:  # cancelled: the client went away (the engine request is aborted)
         status = "disconnected"
-        accepted.tracker.finish(accepted.kind, status)
+        accepted.tracker.finish(accepted.endpoint, status)
         raise
     yield SSE_DONE
-    accepted.tracker.finish(accepted.kind, status)
+    accepted.tracker.finish(accepted.endpoint, status)

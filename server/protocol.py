@@ -60,7 +60,9 @@ class StructuredOutputs(_Body):
     regex: str | None = Field(None, description="the whole output matches it (Rust regex syntax)")
     choice: list[str] | None = Field(None, description="the output is exactly one of these")
     json_object: bool | None = Field(None, description="true: the output is one JSON object")
-    grammar: str | None = Field(None, description="not supported; must be omitted or null")
+    grammar: str | None = Field(
+        None, description="a grammar the output follows: GBNF (llama.cpp's) or Lark (llguidance's)"
+    )
     structural_tag: str | dict[str, Any] | None = Field(
         None, description="not supported; must be omitted or null"
     )
@@ -88,12 +90,16 @@ class StructuredFields(_Body):
     guided_choice: list[str] | None = Field(
         None, description="older vLLM: structured_outputs.choice"
     )
-    guided_grammar: str | None = Field(None, description="not supported; must be omitted or null")
+    guided_grammar: str | None = Field(None, description="older vLLM: structured_outputs.grammar")
+    grammar: str | None = Field(
+        None, description="llama.cpp's server: a GBNF grammar the output follows (Lark too)"
+    )
 
     @property
     def asks_for_structure(self) -> bool:
         """Whether a constraint field is set (its compile then runs off the event loop)."""
-        fields = (self.structured_outputs, self.guided_json, self.guided_regex, self.guided_choice)
+        fields = (self.structured_outputs, self.guided_json, self.guided_regex,
+                  self.guided_choice, self.guided_grammar, self.grammar)  # fmt: skip
         rf = self.response_format
         return (rf is not None and rf.type != "text") or any(f is not None for f in fields)
 
@@ -234,11 +240,31 @@ class ChatCompletionRequest(SamplingFields):
         '{"type": "function", "function": {"name": ...}}',
     )
     parallel_tool_calls: bool | None = Field(None, description="more than one call (default)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='variables for the chat template, e.g. {"enable_thinking": false}'
+    )
 
     @property
     def asks_for_structure(self) -> bool:
         """A constraint field, or tools (their schemas are compiled too)."""
         return bool(self.tools) or super().asks_for_structure
+
+
+class EmbeddingRequest(_Body):
+    input: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a string, a list of strings, a list of token ids or a list of such lists "
+        "(up to --max-prompts inputs)"
+    )
+    model: str | None = Field(None, description="served model name; omitted means the served one")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: little-endian float32 bytes"
+    )
+    dimensions: int | None = Field(
+        None,
+        description="the model's hidden size, or for a Matryoshka-trained model a width it "
+        "was trained for",
+    )
+    user: str | None = None
 
 
 class TokenizeRequest(_Body):
@@ -360,6 +386,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None when the message is only tool calls
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (--reasoning-parser)
 
 
 class ChatChoice(BaseModel):
@@ -389,6 +416,24 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TokenizeResponse(BaseModel):

@@ -84,7 +84,6 @@ _ENDPOINT: dict[Endpoint, dict[str, Unhonoured]] = {
         ),
         "documents": Unhonoured("the chat template takes no documents"),
         "chat_template": Unhonoured("the checkpoint's chat template is used"),
-        "chat_template_kwargs": Unhonoured("the chat template takes no arguments", ({},)),
         "reasoning_effort": Unhonoured("the model does not reason in a separate channel"),
         "include_reasoning": Unhonoured("there is no separate reasoning", (True, False)),
     },
@@ -113,15 +112,21 @@ def check_extra_fields(req: SamplingFields, endpoint: Endpoint, tokenizer: Token
         refused.append(
             ("stream_options", Unhonoured("continuous_usage_stats: usage comes in the last chunk"))
         )
+    refuse_or_log(refused, ignored)
+
+
+def refuse_or_log(refused: list[tuple[str, Unhonoured]], ignored: list[str]) -> None:
+    """A 400 naming the refused fields (the first is the `param`), else one warning line naming
+    the ignored ones."""
     if refused:
         first, rule = refused[0]
         names = ", ".join(name for name, _ in refused)
         raise bad_request(f"not supported by this server: {names} ({first}: {rule.why})", first)
     if ignored:
-        log.warning(IGNORED_WARNING, _names(ignored))
+        log.warning(IGNORED_WARNING, logged_names(ignored))
 
 
-def _names(names: list[str]) -> str:
+def logged_names(names: list[str]) -> str:
     """{'a', 'b'} with each name cut short and at most MAX_NAMES_LOGGED of them (repr escapes
     newlines, so a made-up key cannot forge log lines)."""
     shown = [repr(n[:MAX_NAME_LENGTH]) for n in sorted(names)[:MAX_NAMES_LOGGED]]

@@ -16,6 +16,7 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
 from engine.loader import ModelLoadError, check_load, load_for_inference
+from engine.pooling import EmbeddingSpec
 from kernels.paged_kv import cache_dtype
 from model import GPT, SHAKESPEARE_DIR
 from model.cpu.malloc_tuning import release_freed_memory
@@ -165,7 +166,10 @@ class ServerState:
         async_engine.on_failure = self._engine_failed
         async_engine.start()  # the Engine is built in the engine thread (see engine.async_engine)
         limits = async_engine.limits
-        validator = Validator(settings, limits, loaded.name, loaded.tokenizer, loaded.template)
+        embedding = EmbeddingSpec.read(loaded.path, loaded.model.config.n_embd, settings.pooling)
+        validator = Validator(
+            settings, limits, loaded.name, loaded.tokenizer, loaded.template, embedding
+        )
         with self._lock:
             closed = self.closed  # shut down while the engine was being built?
             if not closed:

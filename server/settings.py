@@ -14,8 +14,10 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.pooling import POOLING_MODES
 from model import SHAKESPEARE_DIR
 from model.known_models import cached_path, known_name
+from server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
 from server.chat.tools.formats import PARSER_NAMES
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
@@ -83,6 +85,12 @@ class Settings:
     chat_template: str | None = flag(
         None, "a Jinja chat template file used instead of the checkpoint's own"
     )
+    reasoning_parser: str | None = flag(
+        None, "how the model writes its reasoning, returned apart as reasoning_content: qwen3 "
+        "(<think>...</think> before the answer) or deepseek_r1 (the prompt opens <think>, the "
+        "answer closes it); default: what the chat template writes (none when it writes no "
+        "<think>)", choices=REASONING_PARSERS,
+    )  # fmt: skip
     tool_call_parser: str | None = flag(
         None, "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or "
         "llama3_json (a bare JSON object); default: what the chat template writes (llama3_json "
@@ -166,6 +174,12 @@ class Settings:
         "bfloat16 and large int8 batches (docs/RELIABILITY.md); CPU only, not with "
         "speculative decoding", group="engine",
     )  # fmt: skip
+    pooling: str | None = flag(
+        None, "how /v1/embeddings pools the final hidden states: last = the last token's "
+        "(Qwen3-Embedding's way), mean = the mean over the prompt's tokens, either L2-normalized; "
+        "default: the checkpoint's sentence-transformers 1_Pooling/config.json when it has one, "
+        "else last", group="engine", choices=POOLING_MODES,
+    )  # fmt: skip
     max_consecutive_failed_steps: int = flag(
         3, "engine steps failing in a row after which the engine takes no more work: /health "
         "and new requests answer 503 engine_unhealthy (a step that succeeds resets the count)",
@@ -184,11 +198,18 @@ class Settings:
         None, "max_tokens per request (400 above; default: context length)", group="limits", low=1
     )
     max_n: int = flag(8, "n per request (400 above)", group="limits", low=1)
-    max_prompts: int = flag(16, "prompts in one completions request (400 above)", group="limits", low=1)  # fmt: skip
+    max_prompts: int = flag(
+        16, "prompts in one completions request, inputs in one embeddings request (400 above)",
+        group="limits", low=1,
+    )  # fmt: skip
     max_stop: int = flag(4, "stop strings per request (400 above)", group="limits", low=0)
     max_stop_length: int = flag(64, "characters per stop string (400 above)", group="limits", low=0)
     max_logit_bias: int = flag(300, "logit_bias entries (400 above)", group="limits", low=0)
     max_body_bytes: int = flag(1_000_000, "request body bytes (413 above)", group="limits", low=1)
+    responses_store_size: int = flag(
+        1000, "responses kept per API key for previous_response_id and GET /v1/responses/{id} "
+        "(least recently used dropped first; 0: none are kept)", low=0,
+    )  # fmt: skip
     max_concurrent_requests: int = flag(
         512, "HTTP requests in flight (429 above; /health and /metrics not counted)",
         group="limits", low=1,

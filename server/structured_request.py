@@ -2,10 +2,11 @@
 
 A request may ask in several ways: OpenAI's `response_format` (`json_object`, or `json_schema`
 with its `{"name", "schema", "strict"}` wrapper), vLLM's `structured_outputs` (`json`, `regex`,
-`choice`, `json_object`) and vLLM's older top-level `guided_json`, `guided_regex` and
-`guided_choice`. This module reads those fields, refuses what this server cannot build, allows at
-most one, and hands `engine.grammar` an already-decided spec (a JSON schema, a regular
-expression or a list of choices). Every error names the request field at fault
+`choice`, `grammar`, `json_object`), vLLM's older top-level `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar`, and llama.cpp's server's `grammar`. This module reads those
+fields, refuses what this server cannot build, allows at most one, and hands `engine.grammar` an
+already-decided spec (a JSON schema, a regular expression, a list of choices, or a grammar in
+llguidance's Lark syntax: a GBNF grammar is converted, a Lark one taken as it is). Every error names the request field at fault
 (`RequestError.param`); `server.validation` answers it with a 400.
 """
 
@@ -16,6 +17,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.errors import RequestError
 from engine.grammar import (
@@ -29,16 +32,20 @@ from model.tokenizers import Tokenizer
 from server.protocol import StructuredFields, StructuredOutputs
 
 # how a request asked: the wrapper it came in decides how its value is read
-RequestKind = Literal["json_object", "json_schema", "json", "regex", "choice"]
+RequestKind = Literal["json_object", "json_schema", "json", "regex", "choice", "grammar"]
 # older vLLM's top-level fields, each the same as a key of structured_outputs
 GUIDED_FIELDS: tuple[tuple[str, RequestKind], ...] = (
     ("guided_json", "json"),
     ("guided_regex", "regex"),
     ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+    ("grammar", "grammar"),  # llama.cpp's server's field
+)
+MAX_GRAMMAR_CHARS = (
+    100_000  # a grammar's text; its cost is bounded as a regex's is (engine.grammar)
 )
 # structured_outputs keys that ask for a constraint this server cannot build
 UNSUPPORTED_STRUCTURED = {
-    "grammar": "grammars are not supported; use json, regex or choice",
     "structural_tag": "structural tags are not supported; use json, regex or choice",
     "whitespace_pattern": "whitespace_pattern is not supported: JSON is written without whitespace",
 }
@@ -60,12 +67,28 @@ class StructuredAsk:
             return "json", JSON_OBJECT_SCHEMA
         if self.kind == "json_schema":
             return "json", self._schema_in_wrapper()
+        if self.kind == "grammar":
+            return "lark", self._grammar_as_lark()
         if self.kind == "json" and isinstance(self.value, str):  # a schema sent as JSON text
             try:
                 return "json", json.loads(self.value)
             except ValueError as exc:
                 raise self.error(f"the schema is not JSON: {exc}") from None
         return self.kind, self.value
+
+    def _grammar_as_lark(self) -> str:
+        """A grammar as users write them: GBNF (llama.cpp's, `root ::= ...`; vLLM's EBNF is the
+        same) becomes llguidance's Lark; Lark (`start: ...`) stays as it is."""
+        text = self.value
+        if not isinstance(text, str) or not text.strip():
+            raise self.error("must be a non-empty string (a GBNF or Lark grammar)")
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise self.error(f"longer than {MAX_GRAMMAR_CHARS} characters")
+        try:
+            return any_to_lark(text)
+        except Exception as exc:  # noqa: BLE001 - GbnfToLarkError, and a bare Exception for a rule it cannot find
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+            raise self.error(f"the grammar does not parse: {first}") from None
 
     def _schema_in_wrapper(self) -> object:
         """OpenAI's `json_schema` object -> its schema. The schema is always enforced; `strict`
@@ -107,8 +130,6 @@ def constraint_from_fields(
     fields: StructuredFields, tokenizer: Tokenizer, vocab_size: int | None = None
 ) -> RequestedConstraint | None:
     """The constraint a parsed request body asks for, or None; raises RequestError."""
-    if fields.guided_grammar is not None:
-        raise RequestError("guided_grammar is not supported", "guided_grammar")
     asks: list[StructuredAsk] = []
     response_format = fields.response_format
     if response_format is not None and response_format.type == "json_object":
@@ -155,7 +176,7 @@ def constraint_from_request(
     guided = {"guided_json": guided_json, "guided_regex": guided_regex,
               "guided_choice": guided_choice}  # fmt: skip
     for param, kind in GUIDED_FIELDS:
-        if guided[param] is not None:
+        if guided.get(param) is not None:
             asks.append(StructuredAsk(param, param, kind, guided[param]))
     return _compile_one(asks, tokenizer, vocab_size)
 
@@ -178,11 +199,14 @@ def _structured_outputs(structured: StructuredOutputs) -> list[StructuredAsk]:
         asks.append(StructuredAsk(param, "structured_outputs.regex", "regex", structured.regex))
     if structured.choice is not None:
         asks.append(StructuredAsk(param, "structured_outputs.choice", "choice", structured.choice))
+    if structured.grammar is not None:
+        where = "structured_outputs.grammar"
+        asks.append(StructuredAsk(param, where, "grammar", structured.grammar))
     if structured.json_object:
         asks.append(StructuredAsk(param, "structured_outputs.json_object", "json_object", None))
     if not asks:
         raise RequestError(
-            "structured_outputs needs one of json, regex, choice or json_object", param
+            "structured_outputs needs one of json, regex, choice, grammar or json_object", param
         )
     return asks
 

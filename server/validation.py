@@ -15,11 +15,21 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import RequestError
+from engine.grammar import AfterToken
 from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
+from engine.pooling import EmbeddingSpec, PoolingParams
 from engine.sampler import SamplingParams
 from model.tokenizers import Tokenizer
+from server.chat.reasoning import (
+    FORMATS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningFormat,
+    default_format,
+)
 from server.chat.templates import ChatFormat
 from server.chat.tools.formats import ToolCallFormat, format_for_template
 from server.chat.tools.prompt import chat_messages
@@ -29,6 +39,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     SamplingFields,
     StructuredFields,
     TokenizeRequest,
@@ -38,6 +49,10 @@ from server.settings import Settings
 from server.structured_request import constraint_from_fields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# what a chat template is given by the server, which chat_template_kwargs may not replace
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 @dataclass
@@ -52,6 +67,16 @@ class EngineInputs:
     tool_format: ToolCallFormat | None = None  # chat with tools: how the answer's calls read
     constraint_param: str | None = None  # the field whose grammar constrains the output
     calls_only: bool = False  # chat: the answer is tool calls, never text (content null)
+    reasoning: ReasoningFormat | None = None  # chat: the answer's reasoning, split apart
+
+
+@dataclass
+class EmbeddingInputs:
+    """One accepted embeddings request: its inputs as token ids, pooled with params.pooling."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    base64: bool = False  # encoding_format "base64"
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -90,6 +115,15 @@ def encode_text(
     return tokenizer.encode(text, allow_special, add_special_tokens)
 
 
+def _items(value: str | list, param: str) -> list:
+    """A prompt field's items: a string or a list of token ids is one; else the list's items."""
+    if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+        return [value]
+    if not value:
+        raise bad_request(f"{param} must not be empty", param)
+    return list(value)
+
+
 @dataclass(frozen=True)
 class Validator:
     """Checks requests for one served model against the server's and the engine's limits."""
@@ -99,11 +133,24 @@ class Validator:
     name: str  # the served model's name
     tokenizer: Tokenizer
     template: ChatFormat
+    embedding_spec: EmbeddingSpec = EmbeddingSpec()  # the served model's pooling and widths
 
     @functools.cached_property
     def tool_format(self) -> ToolCallFormat:
         """How this model writes tool calls (--tool-call-parser, else its chat template's way)."""
         return format_for_template(self.template, self.settings.tool_call_parser)
+
+    @functools.cached_property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How this model writes its reasoning (--reasoning-parser, else its chat template's)."""
+        if self.settings.reasoning_parser is not None:
+            return FORMATS[self.settings.reasoning_parser]
+        return default_format(self.template.source)
+
+    def _single_token(self, text: str) -> int | None:
+        """The one token `text` is, or None where it takes more."""
+        ids = self.tokenizer.encode(text, allow_special=True)
+        return ids[0] if len(ids) == 1 else None
 
     @functools.cached_property
     def request_limits(self) -> RequestLimits:
@@ -162,7 +209,10 @@ class Validator:
         top = req.top_logprobs
         if top and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        ids = self._chat_prompt(req, tools)
+        variables = self._template_variables(req.chat_template_kwargs)
+        ids = self._chat_prompt(req, tools, variables)
+        reasoning = self.reasoning_format
+        thinks = reasoning is not None and variables.get("enable_thinking", True) is not False
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         value = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -181,9 +231,11 @@ class Validator:
         params.stop += [x for x in self.template.stop if x]  # the template's own, not counted
         structured = self._constrain(req, params)  # last: a new grammar costs milliseconds
         if not calls:
+            self._after_reasoning(params, thinks, structured)
             return EngineInputs(
-                [ids], params, bool(req.stream), include_usage, constraint_param=structured
-            )
+                [ids], params, bool(req.stream), include_usage, constraint_param=structured,
+                reasoning=reasoning if thinks else None,
+            )  # fmt: skip
         if structured is not None:
             raise bad_request(
                 f'{structured} cannot be combined with tools unless tool_choice is "none"',
@@ -192,10 +244,32 @@ class Validator:
         params.constraint = tools.constraint(
             self.tool_format, self.tokenizer, self.limits.vocab_size
         )
+        self._after_reasoning(params, thinks, "tool_choice")
         return EngineInputs(
             [ids], params, bool(req.stream), include_usage, tool_format=self.tool_format,
             constraint_param="tool_choice", calls_only=tools.calls_only,
+            reasoning=reasoning if thinks else None,
         )  # fmt: skip
+
+    def embedding(self, req: EmbeddingRequest) -> EmbeddingInputs:
+        """An embeddings request: its inputs, admitted like prompts that generate nothing."""
+        check_model(req.model, self.name)
+        spec = self.embedding_spec
+        dims = req.dimensions
+        if dims is not None and not spec.allows(dims):
+            widths = (
+                f"one of {', '.join(map(str, spec.matryoshka))}"
+                if isinstance(spec.matryoshka, tuple)
+                else f"at most {spec.hidden_size}"
+                if spec.matryoshka
+                else f"{spec.hidden_size} (the model is not Matryoshka-trained)"
+            )
+            raise bad_request(f"dimensions must be {widths}", "dimensions")
+        keep = None if dims is None or dims == spec.hidden_size else dims
+        params = SamplingParams(max_tokens=0, pooling=PoolingParams(spec.pooling, keep))
+        prompts = self._embedding_inputs(req.input)
+        self._admit(prompts, params, FieldNames(prompt="input"), False)
+        return EmbeddingInputs(prompts, params, req.encoding_format == "base64")
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         check_model(req.model, self.name)
@@ -212,15 +286,7 @@ class Validator:
         self, req: CompletionRequest
     ) -> tuple[list[list[int]], list[str | None]]:
         """The request's prompts as token ids, and their original text when given as text."""
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise bad_request("prompt must not be empty", "prompt")
+        items = _items(req.prompt, "prompt")
         ids: list[list[int]] = []
         texts: list[str | None] = []
         for item in items:
@@ -235,12 +301,65 @@ class Validator:
                 texts.append(None)
         return ids, texts
 
-    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+    def _template_variables(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's `chat_template_kwargs`, which may not replace what the server passes."""
+        kwargs = kwargs or {}
+        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise bad_request(
+                f"chat_template_kwargs cannot set {', '.join(taken)} (the server sets it)",
+                "chat_template_kwargs",
+            )
+        return kwargs
+
+    def _after_reasoning(self, params: SamplingParams, thinks: bool, param: str | None) -> None:
+        """A reasoning model's constraint starts after its thinking (`</think>`)."""
+        if not thinks or params.constraint is None:
+            return
+        end = self._single_token(THINK_CLOSE)
+        fmt = self.reasoning_format
+        opening = (
+            self._single_token(THINK_OPEN) if fmt is not None and fmt.opens_in_output else None
+        )
+        if end is None or (fmt is not None and fmt.opens_in_output and opening is None):
+            raise bad_request(
+                f"{param}: this tokenizer has no single {THINK_OPEN} and {THINK_CLOSE} token, "
+                "so the constraint "
+                "cannot start after the reasoning; send chat_template_kwargs "
+                '{"enable_thinking": false}',
+                param,
+            )
+        params.constraint = AfterToken(
+            params.constraint, end, self.tokenizer.vocab_size, opening=opening
+        )
+
+    def _embedding_inputs(self, inputs: str | list) -> list[list[int]]:
+        """An embeddings request's inputs as token ids (text tokenized as a prompt is)."""
+        items = _items(inputs, "input")
+        limit = self.settings.max_prompts
+        if len(items) > limit:  # before tokenizing them all
+            raise bad_request(f"at most {limit} inputs per request", "input")
+        ids: list[list[int]] = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("input strings must not be empty", "input")
+                ids.append(encode_text(self.tokenizer, item, "input", add_special_tokens=True))
+            else:
+                if not item:
+                    raise bad_request("a token-id input must not be empty", "input")
+                self._check_token_ids(item, "input")
+                ids.append(list(item))
+        return ids
+
+    def _chat_prompt(
+        self, req: ChatCompletionRequest, tools: ToolRequest | None, variables: dict[str, Any]
+    ) -> list[int]:
         messages, shown_tools = chat_messages(
             req.messages, tools, self.tool_format, self.template.knows_tools
         )
         try:
-            text = self.template.render_messages(messages, shown_tools)
+            text = self.template.render_messages(messages, shown_tools, **variables)
         except ValueError as exc:  # a Jinja template raised (raise_exception) or failed
             raise bad_request(f"the chat template failed: {exc}", "messages") from None
         allow = True if self.template.specials_in_prompt else None  # the template's own tokens

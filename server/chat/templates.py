@@ -62,11 +62,14 @@ class ChatTemplate:
     stop: tuple[str, ...] = field(default=("\nUser:",))
     specials_in_prompt = False  # "<|endoftext|>" in a message is text
     knows_tools = False  # tools are described to it by server.chat.tools.prompt
+    source = None  # no Jinja source (a Jinja chat format's is its template's)
 
     def render_messages(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> str:
-        """The same as `render`, for messages as dicts (role, content, name)."""
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        **variables: Any,
+    ) -> str:  # fmt: skip
+        """The same as `render`, for messages as dicts (role, content, name); a plain template
+        has no variables to set."""
         return self.render([(m["role"], m.get("content") or "", m.get("name")) for m in messages])
 
     def render(self, messages: Sequence[tuple[str, str] | tuple[str, str, str | None]]) -> str:
@@ -280,15 +283,22 @@ class JinjaChat:
         self.template = template
 
     @property
+    def source(self) -> str:
+        """The template's Jinja source (what `server.chat.reasoning` reads its format from)."""
+        return self.template.source
+
+    @property
     def knows_tools(self) -> bool:
         """Whether the template renders `tools` itself (else server.chat.tools.prompt describes
         them)."""
         return self.template.knows_tools
 
     def render_messages(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> str:
-        return self.template.render(messages, tools=tools)
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        **variables: Any,
+    ) -> str:  # fmt: skip
+        """The messages rendered, with a request's `chat_template_kwargs` as `variables`."""
+        return self.template.render(messages, tools=tools, **variables)
 
 
 ChatFormat = ChatTemplate | JinjaChat

@@ -21,6 +21,16 @@ export function renderMessage(message) {
   const who = document.createElement("h3");
   who.className = "msg-role";
   who.textContent = ROLE_NAMES[message.role] || message.role;
+  // a reasoning model's thinking, folded above its answer (`reasoning_content`)
+  const reasoning = document.createElement("details");
+  reasoning.className = "msg-reasoning";
+  const summary = document.createElement("summary");
+  summary.textContent = "Reasoning";
+  const thought = document.createElement("div");
+  thought.className = "msg-reasoning-body";
+  reasoning.append(summary, thought);
+  thought.textContent = message.reasoning_content || "";
+  reasoning.hidden = !message.reasoning_content;
   const body = document.createElement("div");
   body.className = "msg-body";
   if (message.content) body.textContent = message.content;
@@ -29,7 +39,7 @@ export function renderMessage(message) {
   const note = document.createElement("p");
   note.className = "msg-note";
   note.hidden = true;
-  bubble.append(who, body, calls, note);
+  bubble.append(who, reasoning, body, calls, note);
   showToolCalls(bubble, message.tool_calls || []);
   return bubble;
 }
@@ -147,13 +157,25 @@ export function initChat() {
     let finish = null;
     let outcome = null;
     const calls = [];
+    let thinking = "";
     try {
       body.model = await modelFor(signal);
       await streamPost("/v1/chat/completions", body, signal, (chunk) => {
         const choice = chunk.choices && chunk.choices[0];
         if (!choice) return;
+        const delta = choice.delta || {};
+        if (delta.reasoning_content) {
+          // thinking goes to the folded section; its tokens are not the answer's to shade
+          const section = answer.querySelector(".msg-reasoning");
+          follow(() => {
+            section.hidden = false;
+            section.querySelector(".msg-reasoning-body").append(delta.reasoning_content);
+          });
+          thinking += delta.reasoning_content;
+        }
         const entries = [];
-        for (const item of (choice.logprobs && choice.logprobs.content) || []) {
+        const answered = !delta.reasoning_content; // a chunk of the answer alone: its tokens
+        for (const item of (answered && choice.logprobs && choice.logprobs.content) || []) {
           const piece = item.bytes ? bytes.decode(new Uint8Array(item.bytes), { stream: true }) : item.token;
           const top = (item.top_logprobs || []).map((alt) => [alt.token, Math.exp(alt.logprob)]);
           entries.push({ offset, token: item.token, p: Math.exp(item.logprob), top });
@@ -186,7 +208,7 @@ export function initChat() {
       answer.removeAttribute("aria-busy");
     }
     if (mine !== conversation) return;
-    if (!run.text && !calls.length) {
+    if (!run.text && !calls.length && !thinking) {
       // Nothing was answered: take the turn back, so the message can be sent again as it was.
       asked.remove();
       answer.remove();
@@ -194,6 +216,7 @@ export function initChat() {
       return;
     }
     const reply = { role: "assistant", content: run.text || null };
+    if (thinking) reply.reasoning_content = thinking;
     if (calls.length) reply.tool_calls = calls;
     history.push(question, reply);
     if (outcome) {

@@ -8,18 +8,7 @@ import torch.nn as nn
 
 from engine.engine import STEP_FAILED, Engine, EngineConfig, RequestError
 from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, get_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return get_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=256)).eval()
+from model import GPT, ModelConfig
 
 
 def run(engine: Engine, max_steps: int = 10_000) -> dict:

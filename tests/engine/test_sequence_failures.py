@@ -5,7 +5,6 @@ raises, a sampler row that raises: each ends only the request it belongs to, wit
 whose code says it was that request's (engine.sequence), and counts as no failed step.
 """
 
-import pytest
 import torch
 
 from engine import sampler as sampler_module
@@ -13,28 +12,7 @@ from engine.engine import Engine, EngineConfig
 from engine.grammar import ConstraintViolation, compile_constraint
 from engine.sampler import SamplingParams
 from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR
-from model import GPT, ModelConfig, get_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return get_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return GPT(ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=256)).eval()
-
-
-def run(engine: Engine, max_steps: int = 500) -> dict:
-    out: dict = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return out
-        for ev in engine.step():
-            out.setdefault((ev.request_id, ev.index), []).append(ev)
-    raise AssertionError("engine did not finish")
+from tests.engine.test_engine import run
 
 
 def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:

@@ -8,9 +8,10 @@ import httpx
 import pytest
 
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses.request import ResponsesRequest
 from tests.server.conftest import MODEL_NAME, LiveServer
 
-C, H = "/v1/completions", "/v1/chat/completions"
+C, H, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -20,6 +21,10 @@ def comp(**fields: object) -> dict:
 
 def chat(**fields: object) -> dict:
     return {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, **fields}
+
+
+def resp(**fields: object) -> dict:
+    return {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2, **fields}
 
 
 # (path, JSON body or raw bytes, status, param)
@@ -87,6 +92,8 @@ CASES = [
     (H, chat(messages=[{"role": "system", "content": None}, *USER]), 400, "messages"),
     (H, chat(messages=[*USER, {"role": "assistant"}]), 400, "messages"),
     (H, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages"),
+    (H, chat(chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs"),
+    (H, chat(chat_template_kwargs=["enable_thinking"]), 400, "chat_template_kwargs"),
     (H, chat(messages=[{"role": "user", "content": "go " * 300}]), 400, "messages"),
     (H, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (H, chat(top_logprobs=2), 400, "top_logprobs"),
@@ -101,6 +108,7 @@ CASES = [
     (C, comp(guided_regex="a(?=b)"), 400, "guided_regex"),
     (C, comp(guided_choice=[]), 400, "guided_choice"),
     (C, comp(guided_grammar="start: x"), 400, "guided_grammar"),
+    (C, comp(grammar="root ::= (("), 400, "grammar"),
     (H, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
     (H, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     (H, chat(max_tokens=0), 400, "max_tokens"),
@@ -109,6 +117,25 @@ CASES = [
     (H, chat(max_tokens=1000), 400, "max_tokens"),
     (H, chat(model="other"), 404, "model"),
     (H, chat(n=100), 400, "n"),
+    (R, {"model": MODEL_NAME}, 400, "input"),
+    (R, resp(input=[{"role": "user", "content": 3}]), 400, "input"),
+    (R, resp(input="go " * 300), 400, "input"),
+    (R, resp(instructions=3), 400, "instructions"),
+    (R, resp(max_output_tokens=0), 400, "max_output_tokens"),
+    (R, resp(max_output_tokens=1000), 400, "max_output_tokens"),
+    (R, resp(temperature=-1), 400, "temperature"),
+    (R, resp(top_p=2), 400, "top_p"),
+    (R, resp(tools=[{"type": "file_search"}]), 400, "tools"),
+    (R, resp(tool_choice="required"), 400, "tool_choice"),
+    (R, resp(parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    (R, resp(text={"format": {"type": "xml"}}), 400, "text"),
+    (R, resp(stream="yes"), 400, "stream"),
+    (R, resp(store=1), 400, "store"),
+    (R, resp(previous_response_id="resp_x"), 404, "previous_response_id"),
+    (R, resp(metadata={"k": "v" * 513}), 400, "metadata"),
+    (R, resp(user=5), 400, "user"),
+    (R, resp(model="other"), 404, "model"),
+    (R, resp(background=True), 400, "background"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
@@ -148,9 +175,14 @@ def test_malformed_request(
 
 
 def test_every_request_field_has_a_malformed_case() -> None:
-    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-    params = {case[3] for case in CASES}
-    assert not fields - params, f"request fields with no malformed case: {fields - params}"
+    for request, paths in ((CompletionRequest, (C,)), (ChatCompletionRequest, (H,)),
+                           (ResponsesRequest, (R,))):  # fmt: skip
+        fields = set(request.model_fields)
+        params = {case[3] for case in CASES if case[0] in paths}
+        if request is not ResponsesRequest:  # the fields completions and chat share
+            params |= {case[3] for case in CASES if case[0] in (C, H)}
+        missing = fields - params
+        assert not missing, f"{request.__name__} fields with no malformed case: {missing}"
 
 
 def test_max_tokens_zero_scores_a_completions_prompt_but_is_a_400_for_chat(

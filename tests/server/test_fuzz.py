@@ -34,6 +34,7 @@ MAX_EXAMPLES = 25
 OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /v1/responses",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
@@ -88,11 +89,18 @@ def check_error_shape(response: Response) -> None:
 
 
 def check_stream(response: Response) -> None:
-    """An SSE answer: `data:` events of JSON objects, the last one `[DONE]`."""
+    """An SSE answer: `data:` events of JSON objects, the last one `[DONE]`; or the Responses
+    API's typed events (`event:` and `data:`), the last one its end or an error."""
     if not content_type(response).startswith("text/event-stream"):
         return
     text = response.content.decode()
-    events = [line[6:] for line in text.split("\n\n") if line.startswith("data: ")]
+    blocks = [block for block in text.split("\n\n") if block]
+    if blocks and blocks[0].startswith("event: "):
+        typed = [json.loads(block.split("\ndata: ", 1)[1]) for block in blocks]
+        assert [e["sequence_number"] for e in typed] == list(range(len(typed)))
+        assert typed[-1]["type"] in ("response.completed", "response.incomplete", "error")
+        return
+    events = [line[6:] for line in blocks if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", text[-200:]
     for event in events[:-1]:
         obj = json.loads(event)

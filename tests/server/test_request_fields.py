@@ -66,7 +66,7 @@ def test_a_vllm_field_this_server_does_not_honour_is_a_400_naming_it(
     ("field", "value"),
     [
         ("echo", True), ("continue_final_message", True), ("add_generation_prompt", False),
-        ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"x": 1}),
+        ("chat_template", "{{ messages }}"),
         ("documents", [{"title": "t", "text": "x"}]), ("tool_choice", "required"),
         ("reasoning_effort", "high"), ("best_of", 2),
     ],

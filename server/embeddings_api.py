@@ -1,0 +1,83 @@
+"""POST /v1/embeddings: each input's vector, pooled by the engine from the model's final hidden
+states (engine.pooling), as OpenAI and vLLM answer it."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import uuid
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_engine import EngineDeadError
+from engine.sequence import SEQUENCE_ERROR
+from server.errors import APIError
+from server.openai_api import _check_queue, _engine_stopped
+from server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
+from server.runtime import ServerState
+from server.streams import ClientGone, RequestTimeout, merged_events
+
+router = APIRouter()
+ENDPOINT = "embeddings"  # the endpoint label of gptserve_requests
+
+
+def encode_base64(vector: list[float]) -> str:
+    """OpenAI's base64 form: the vector's little-endian float32 bytes."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    async_engine = state.require_ready()
+    inputs = state.validator.embedding(body)
+    _check_queue(state, async_engine)
+    prompts = inputs.prompts
+    num_tokens = sum(len(p) for p in prompts)
+    state.metrics.prompt_tokens.inc(num_tokens)
+    vectors: list[list[float] | None] = [None] * len(prompts)
+    status: int | str = 200
+    try:
+        events = merged_events(
+            async_engine, f"embd-{uuid.uuid4().hex}", prompts, inputs.params,
+            state.settings.request_timeout, watch=request,
+        )  # fmt: skip
+        async with aclosing(events) as stream:  # leaving early aborts what still runs
+            async for index, event in stream:
+                if event.error is not None:
+                    own = event.error_code == SEQUENCE_ERROR
+                    who = "this request" if own else "the engine"
+                    code = SEQUENCE_ERROR if own else "engine_error"
+                    raise APIError(503, f"{who} failed: {event.error}", code=code)
+                if event.embedding is not None:
+                    vectors[index] = event.embedding
+    except RequestTimeout:
+        status = 503
+        raise APIError(
+            503, "the request ran past the server's --request-timeout", code="request_timeout"
+        ) from None
+    except EngineDeadError as exc:
+        status = 503
+        raise _engine_stopped(exc) from None
+    except ClientGone:
+        status = "disconnected"
+        raise
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        state.metrics.count_request(ENDPOINT, status, None)
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": encode_base64(v) if inputs.base64 else v,
+        }
+        for i, v in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return JSONResponse(
+        {"object": "list", "data": data, "model": state.loaded.name, "usage": usage}
+    )
