@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import EngineDeadError
 from engine.sequence import SEQUENCE_ERROR
 from server.errors import APIError
-from server.openai_api import _check_queue, _engine_stopped
+from server.openai_api import check_queue, engine_stopped
 from server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from server.runtime import ServerState
 from server.streams import ClientGone, RequestTimeout, merged_events
@@ -33,7 +33,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state: ServerState = request.app.state.server
     async_engine = state.require_ready()
     inputs = state.validator.embedding(body)
-    _check_queue(state, async_engine)
+    check_queue(state, async_engine)
     prompts = inputs.prompts
     num_tokens = sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)
@@ -60,7 +60,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         ) from None
     except EngineDeadError as exc:
         status = 503
-        raise _engine_stopped(exc) from None
+        raise engine_stopped(exc) from None
     except ClientGone:
         status = "disconnected"
         raise

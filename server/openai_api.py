@@ -175,7 +175,7 @@ def _failed(accepted: AcceptedRequest, choice: Choice) -> APIError:
     return APIError(503, f"the engine failed this request: {choice.error}", code="engine_error")
 
 
-def _engine_stopped(exc: EngineDeadError) -> APIError:
+def engine_stopped(exc: EngineDeadError) -> APIError:
     """The engine died, or gave up after too many failed steps (EngineUnhealthyError)."""
     what = "is unhealthy" if isinstance(exc, EngineUnhealthyError) else "has stopped"
     return APIError(503, f"the engine {what}: {exc}", code=exc.code)
@@ -186,7 +186,7 @@ def _engine_stopped(exc: EngineDeadError) -> APIError:
 TIMEOUT_FINISH = "length"
 
 
-def _check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
+def check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
     if async_engine.num_waiting >= state.settings.max_queue:
         raise APIError(
             429, "the server is overloaded: too many requests are waiting; retry later",
@@ -213,7 +213,7 @@ async def accept(
         inputs = await run_in_threadpool(validate, state.validator)
     else:
         inputs = validate(state.validator)
-    _check_queue(state, async_engine)
+    check_queue(state, async_engine)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)
     tenant = request.scope.get(TENANT_SCOPE_KEY)
@@ -323,7 +323,7 @@ async def collect(accepted: AcceptedRequest, request: Request) -> None:
                 choice.finish_reason = TIMEOUT_FINISH
     except EngineDeadError as exc:
         accepted.tracker.finish(endpoint, 503)
-        raise _engine_stopped(exc) from None
+        raise engine_stopped(exc) from None
     except ClientGone:
         accepted.tracker.finish(endpoint, "disconnected")
         raise
@@ -403,7 +403,7 @@ async def stream_pieces(accepted: AcceptedRequest) -> AsyncIterator[dict]:
             if piece is not None:
                 yield piece
     except EngineDeadError as exc:
-        raise _engine_stopped(exc) from None
+        raise engine_stopped(exc) from None
 
 
 async def _stream(accepted: AcceptedRequest) -> AsyncIterator[bytes]:

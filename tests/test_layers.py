@@ -77,3 +77,14 @@ def _through_package_init(cycle: str, modules: dict[str, Path]) -> bool:
     """Whether the cycle passes through a package's __init__ (its re-exports), which every
     import of a submodule runs first anyway."""
     return any(modules[m].name == "__init__.py" for m in cycle.split(" -> "))
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    reached = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] in RANK:
+                    reached += [f"{name}: {node.module}.{a.name}" for a in node.names
+                                if a.name.startswith("_") and node.module != name]  # fmt: skip
+    assert not reached, reached
