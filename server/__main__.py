@@ -23,7 +23,7 @@ import uvicorn
 
 from server.app import create_app
 from server.hosts import is_loopback
-from server.runtime import ModelLoadError, preflight
+from server.runtime import ModelLoadError, preflight, process_seconds
 from server.settings import API_KEYS_ENV, Settings, SettingsError, settings_from_args
 
 
@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(config)
     state = app.state.server
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    age = process_seconds()
     logging.getLogger("server").info(
-        "listening on http://%s:%d; loading %s", host, sock.getsockname()[1], settings.model_path
-    )
+        "listening on http://%s:%d %s; loading %s", host, sock.getsockname()[1],
+        "" if age is None else f"{age:.1f} s after start (the imports)", settings.model_path,
+    )  # fmt: skip
 
     def stop_serving(message: str) -> None:  # called in the loader or the engine thread
         server.should_exit = True

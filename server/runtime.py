@@ -8,7 +8,9 @@ over HTTP while a large checkpoint loads and 200 once it serves.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +120,8 @@ class ServerState:
         self.validator: Validator | None = None
         self.load_error: str | None = None
         self.loader_thread: threading.Thread | None = None
+        self.load_seconds: float | None = None  # the model's load (fetch included)
+        self._engine_started = 0.0
         self.closed = False
         self._lock = threading.Lock()  # closed vs. a start finishing in the loader thread
 
@@ -135,7 +139,10 @@ class ServerState:
 
     def _load_and_start(self) -> None:
         try:
-            self._start(self.loader(self.settings))
+            started = time.perf_counter()
+            loaded = self.loader(self.settings)
+            self.load_seconds = time.perf_counter() - started
+            self._start(loaded)
         except Exception as exc:  # readiness reports it; the process keeps answering /health
             self.load_error = str(exc) or repr(exc)
             log.error("model failed to load: %s", self.load_error)
@@ -146,6 +153,7 @@ class ServerState:
         """Build the engine around a loaded model and start its thread."""
         if self.closed:  # shut down while the model was loading
             return
+        self._engine_started = time.perf_counter()
         settings = self.settings
         config = EngineConfig(
             max_num_seqs=settings.max_num_seqs,
@@ -180,6 +188,12 @@ class ServerState:
             return
         release_freed_memory()  # what loading and building the engine freed goes back
         kv_tokens = limits.kv_cache_blocks * limits.kv_block_size
+        age = process_seconds()
+        if age is not None and self.load_seconds is not None:
+            log.info(
+                "ready %.1f s after start: the model loaded in %.1f s, the engine built in %.1f s",
+                age, self.load_seconds, time.perf_counter() - self._engine_started,
+            )  # fmt: skip
         log.info(
             "serving %s from %s (context %d tokens; the KV cache holds %d tokens, %.0f MB at "
             "most: %d blocks of %d tokens, %d bytes a token)",
@@ -245,6 +259,18 @@ class ServerState:
         if async_engine.unhealthy:  # the body is also an OpenAI error: what every request now gets
             return 503, {**body, "status": "unhealthy", **_unhealthy(async_engine.unhealthy).body()}
         return 200, body
+
+
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere), for the startup log."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _unhealthy(reason: str) -> APIError:

@@ -3,6 +3,7 @@ server bound elsewhere without an API key says so when it starts."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,6 @@ def test_an_open_non_loopback_bind_warns_at_start(tiny_checkpoint: Path) -> None
         _, err = proc.communicate(timeout=60)
     warning = [line for line in err.splitlines() if "WARNING" in line and "API key" in line]
     assert len(warning) == 1 and "binding 0.0.0.0 with no API key" in warning[0], err
+    # the startup log says how long the imports, the load and the whole start took
+    assert re.search(r"listening on http://0\.0\.0\.0:\d+ [\d.]+ s after start \(the imports\)", err), err  # fmt: skip
+    assert re.search(r"ready [\d.]+ s after start: the model loaded in [\d.]+ s", err), err
