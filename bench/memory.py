@@ -1,13 +1,14 @@
-"""Resident memory of the default start: `python -m server` with no flags, then a few chats.
+"""Resident memory of the default start: `python -m server` on the default model, then chats.
 
-    python bench/memory.py [--chats 5] [--max-tokens 128] [--rounds 1]
+    python bench/memory.py [--chats 5] [--max-tokens 128]
 
-Starts the server as a user would (the default model, SmolLM2-135M-Instruct's Q4_1 GGUF file,
-fetched once), reads the process's resident size (VmRSS) once it is healthy and after each of
-`--chats` distinct chat requests, and prints them against the budget of issue "safe to expose"
-(1.5 x the file + 350 MB). In the same run it measures two baselines on the same file and chats:
-the server with the old 2 GiB pool (`--kv-cache-gb 2`), and, where llama-cpp-python is installed
-(`pip install -e '.[bench]'`), llama.cpp (its low-level API, as bench/llamacpp.py drives it) holding the model's full
+Starts the server with the default model and settings (SmolLM2-135M-Instruct's Q4_1 GGUF file,
+fetched once and named by its path; `bench.serve.start_server`), reads the process's resident
+size (VmRSS) once it is healthy and after each of `--chats` distinct chat requests, and prints
+them against the budget of issue "safe to expose" (1.5 x the file + 350 MB). In the same run it
+measures two baselines on the same file and chats: the server with the old 2 GiB pool
+(`--kv-cache-gb 2`), and, where llama-cpp-python is installed (`pip install -e '.[bench]'`),
+llama.cpp (its low-level API, as bench/llamacpp.py drives it) holding the model's full
 8192-token context.
 """
 
@@ -16,16 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.host import print_host  # noqa: E402
+from bench.serve import free_port, start_server  # noqa: E402
+from bench.soak import rss_mib  # noqa: E402
 from model.known_models import DEFAULT_MODEL_NAME, fetch_known_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ from bench.llamacpp import LlamaCpp
 from model.tokenizers import load_tokenizer
 path, max_tokens, questions = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 tok = load_tokenizer("gguf", path)
 llm = LlamaCpp(path, 2, n_seq=1, n_ctx_seq=8192)  # the model's full context, as llama-server
 seen = [rss()]
@@ -59,17 +60,6 @@ print(json.dumps(seen))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
-
-
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -78,39 +68,25 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def server_side(flags: list[str], questions: list[str], max_tokens: int) -> list[int]:
-    """VmRSS (KiB) of `python -m server FLAGS` once healthy, then after each chat."""
+def server_side(path: Path, flags: list[str], questions: list[str], max_tokens: int) -> list[float]:
+    """VmRSS (MiB) of `python -m server --model PATH FLAGS` once healthy, then after each chat
+    (`--model` the default model's cached file: the default start's model and settings)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    proc = start_server(path, port, *flags)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited: {proc.stderr.read().decode()[-500:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become healthy in 600 s")
-            time.sleep(0.2)
-        seen = [rss_kib(proc.pid)]
+        seen = [rss_mib(proc.pid)]
         for q in questions:
             body = {"messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
                     "temperature": 0}  # fmt: skip
-            post(f"{url}/v1/chat/completions", body)
-            seen.append(rss_kib(proc.pid))
+            post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+            seen.append(rss_mib(proc.pid))
         return seen
     finally:
         proc.terminate()
         proc.wait(60)
 
 
-def llama_side(path: Path, questions: list[str], max_tokens: int) -> list[int] | str | None:
+def llama_side(path: Path, questions: list[str], max_tokens: int) -> list[float] | str | None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -137,10 +113,10 @@ def main() -> None:
     budget_mb = 1.5 * file_mb + 350
     questions = (QUESTIONS * (args.chats // len(QUESTIONS) + 1))[: args.chats]
     rows = [
-        ("gptserve, default start", server_side([], questions, args.max_tokens)),
+        ("gptserve, default start", server_side(path, [], questions, args.max_tokens)),
         (
             "gptserve --kv-cache-gb 2",
-            server_side(["--kv-cache-gb", "2"], questions, args.max_tokens),
+            server_side(path, ["--kv-cache-gb", "2"], questions, args.max_tokens),
         ),
         ("llama.cpp, n_ctx 8192", llama_side(path, questions, args.max_tokens)),
     ]
@@ -153,7 +129,7 @@ def main() -> None:
             why = "not installed (pip install -e '.[bench]')" if seen is None else "crashed"
             print(f"| {name:28} | {why} | | |")
             continue
-        start, end = seen[0] * 1024 / 1e6, seen[-1] * 1024 / 1e6
+        start, end = seen[0] * 2**20 / 1e6, seen[-1] * 2**20 / 1e6  # MiB -> MB
         ok = "yes" if end < budget_mb else "no"
         print(f"| {name:28} | {start:12.0f} | {end:20.0f} | {ok:17} |")
 

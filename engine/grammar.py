@@ -120,7 +120,7 @@ class _TokenizerView:
 def grammar_vocab(tokenizer: Tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:
     """The engine's view of `tokenizer`, padded to `vocab_size` ids (default: the tokenizer's).
 
-    Built once, by the first constrained request (about 0.15 s and 35 MB for a 50k vocabulary:
+    Built once, by the first constrained request (about 0.15 s and tens of MB for a 50k vocabulary:
     a server whose clients never constrain their output never pays for it), and shared by every
     grammar. Ids at or past the tokenizer's size are never allowed.
     """

@@ -147,10 +147,23 @@ class Validator:
             return FORMATS[self.settings.reasoning_parser]
         return default_format(self.template.source)
 
-    def _single_token(self, text: str) -> int | None:
-        """The one token `text` is, or None where it takes more."""
-        ids = self.tokenizer.encode(text, allow_special=True)
-        return ids[0] if len(ids) == 1 else None
+    @functools.cached_property
+    def reasoning_tokens(self) -> tuple[int | None, int] | None:
+        """The tokens a constraint waits for: the opening one the format writes first (None
+        where the prompt opened the block) and the closing one; None where one of them is no
+        single token of this tokenizer (or the model does not reason)."""
+        fmt = self.reasoning_format
+        if fmt is None:
+            return None
+
+        def single(text: str) -> int | None:
+            ids = self.tokenizer.encode(text, allow_special=True)
+            return ids[0] if len(ids) == 1 else None
+
+        opening, end = single(THINK_OPEN) if fmt.opens_in_output else None, single(THINK_CLOSE)
+        if end is None or (fmt.opens_in_output and opening is None):
+            return None
+        return opening, end
 
     @functools.cached_property
     def request_limits(self) -> RequestLimits:
@@ -316,19 +329,14 @@ class Validator:
         """A reasoning model's constraint starts after its thinking (`</think>`)."""
         if not thinks or params.constraint is None:
             return
-        end = self._single_token(THINK_CLOSE)
-        fmt = self.reasoning_format
-        opening = (
-            self._single_token(THINK_OPEN) if fmt is not None and fmt.opens_in_output else None
-        )
-        if end is None or (fmt is not None and fmt.opens_in_output and opening is None):
+        if self.reasoning_tokens is None:
             raise bad_request(
                 f"{param}: this tokenizer has no single {THINK_OPEN} and {THINK_CLOSE} token, "
-                "so the constraint "
-                "cannot start after the reasoning; send chat_template_kwargs "
+                "so the constraint cannot start after the reasoning; send chat_template_kwargs "
                 '{"enable_thinking": false}',
                 param,
             )
+        opening, end = self.reasoning_tokens
         params.constraint = AfterToken(
             params.constraint, end, self.tokenizer.vocab_size, opening=opening
         )

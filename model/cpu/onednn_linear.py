@@ -11,8 +11,8 @@ a decode batch has: where oneDNN multiplies few rows with another kernel than ma
 wide input), such inputs are padded with copies of their first row up to the fewest rows that
 compute as many do (`min_rows`, measured per layer when it is built), so a sequence gets the
 same logits alone and in a batch. Past `PLANNED_ROWS` oneDNN may take yet another kernel
-(bfloat16 with AMX: from 33 rows on, measured per layer as `alike_rows`); `keep_rows_alike`
-then makes such products go in chunks of `alike_rows` rows (batch invariance for prefills too,
+(bfloat16 with AMX: from 33 rows on); `keep_rows_alike` measures that per layer
+(`alike_rows`) and makes such products go in chunks of `alike_rows` rows (batch invariance for prefills too,
 at 2-3x the time of those products).
 
 The reordered weight is an opaque oneDNN tensor: it cannot be sliced, saved or trained. It exists
@@ -53,10 +53,10 @@ class OneDnnLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.min_rows = _fewest_rows_computed_as_many(self, linear.weight.dtype)
-        # the most rows computed as fewer are (None: any count), and whether products of more
-        # rows go in chunks of that many (`keep_rows_alike`)
-        self.alike_rows = _most_rows_computed_alike(self, linear.weight.dtype, planned_rows)
-        self.chunked = False
+        self.planned_rows = planned_rows
+        # products of more rows go in chunks of this many (None: whole); `keep_rows_alike` sets
+        # it where oneDNN computes them otherwise
+        self.alike_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out); a row's result does not depend on the row count."""
@@ -65,11 +65,7 @@ class OneDnnLinear(nn.Module):
             m = rows.shape[0]
             padded = torch.cat((rows, rows[:1].expand(self.min_rows - m, -1)))  # (min_rows, in)
             return self._product(padded)[:m].view(*x.shape[:-1], self.out_features)
-        if (
-            self.chunked
-            and self.alike_rows is not None
-            and x.numel() > self.alike_rows * x.shape[-1]
-        ):
+        if self.alike_rows is not None and x.numel() > self.alike_rows * x.shape[-1]:
             rows = x.reshape(-1, self.in_features)  # (M, in), M > alike_rows
             out = torch.cat([self(chunk) for chunk in rows.split(self.alike_rows)])  # (M, out)
             return out.view(*x.shape[:-1], self.out_features)
@@ -106,23 +102,27 @@ def keep_rows_alike(model: nn.Module) -> None:
     layers measured to need it chunk their products."""
     for module in model.modules():
         if isinstance(module, OneDnnLinear):
-            module.chunked = True
+            module.alike_rows = _most_rows_computed_alike(module, module.planned_rows)
 
 
 @torch.no_grad()
-def _most_rows_computed_alike(
-    layer: OneDnnLinear, dtype: torch.dtype, planned_rows: int
-) -> int | None:
+def _most_rows_computed_alike(layer: OneDnnLinear, planned_rows: int) -> int | None:
     """None where a product of more rows than `planned_rows` computes each row as a product of
     `planned_rows` rows does (probed on 2 * planned_rows + 1 rows), else `planned_rows`."""
-    gen = torch.Generator().manual_seed(1)
-    rows = 2 * planned_rows + 1
-    normal = torch.randn(rows, layer.in_features, generator=gen)
-    binades = 8 if dtype == torch.float16 else 16
-    x = (normal * 2.0 ** torch.randint(0, binades, normal.shape, generator=gen)).to(dtype)
+    x = _probe_rows(layer, layer.weight.dtype, 2 * planned_rows + 1, seed=1)
     whole = layer._product(x)  # (rows, out)
     parts = torch.cat([layer._product(chunk) for chunk in x.split(planned_rows)])
     return None if torch.equal(whole, parts) else planned_rows
+
+
+def _probe_rows(layer: OneDnnLinear, dtype: torch.dtype, rows: int, seed: int) -> torch.Tensor:
+    """(rows, in) random rows of the layer's dtype whose values spread over 16 binades (8 in
+    float16, which overflows beyond), so that another order of float32 sums moves the outputs
+    by far more than a bfloat16 output's rounding hides."""
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(rows, layer.in_features, generator=gen)
+    binades = 8 if dtype == torch.float16 else 16  # float16 overflows at 65504
+    return (normal * 2.0 ** torch.randint(0, binades, normal.shape, generator=gen)).to(dtype)
 
 
 @torch.no_grad()
@@ -140,11 +140,7 @@ def _fewest_rows_computed_as_many(layer: OneDnnLinear, dtype: torch.dtype) -> in
     rows a bfloat16 layer that switches kernels showed no difference in 16 rows of 512 outputs;
     with these, many).
     """
-    gen = torch.Generator().manual_seed(0)
-    normal = torch.randn(PROBE_ROWS, layer.in_features, generator=gen)  # (R, in)
-    binades = 8 if dtype == torch.float16 else 16  # float16 overflows at 65504
-    scale = 2.0 ** torch.randint(0, binades, normal.shape, generator=gen)
-    x = (normal * scale).to(dtype)  # (R, in)
+    x = _probe_rows(layer, dtype, PROBE_ROWS, seed=0)  # (R, in)
     many = layer._product(x)  # (R, out)
     for rows in ROW_COUNTS:
         if all(
