@@ -11,6 +11,7 @@ POS_ENCODINGS = ("learned", "sinusoidal", "rotary")
 NORM_POSITIONS = ("pre", "post")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,13 @@ class ModelConfig:
     qk_norm: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # sliding-window attention (Mistral, Gemma 3, Phi-3): a windowed layer's query at position i
+    # sees keys at positions j with i - sliding_window < j <= i (itself included), as Hugging
+    # Face's `sliding_window`; None: every layer attends to the whole context
+    sliding_window: int | None = None
+    # each layer's kind, Hugging Face's `layer_types`: "sliding_attention" (windowed) or
+    # "full_attention"; None: every layer windowed when sliding_window is set
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +85,17 @@ class ModelConfig:
     def mlp_width(self) -> int:
         return self.intermediate_size or 4 * self.n_embd
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (`sliding_window`), None for a global layer."""
+        if self.sliding_window is None:
+            return (None,) * self.n_layer
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.n_layer
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        )
+
     @property
     def attn_bias(self) -> bool:
         return self.bias if self.qkv_bias is None else self.qkv_bias
@@ -98,6 +117,22 @@ class ModelConfig:
             raise ConfigError(
                 f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.kv_heads})"
             )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int)
+            or isinstance(self.sliding_window, bool)
+            or self.sliding_window <= 0
+        ):
+            raise ConfigError(
+                f"sliding_window must be a positive integer or null, got {self.sliding_window!r}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer:
+                raise ConfigError(
+                    f"layer_types names {len(self.layer_types)} layers, the model has {self.n_layer}"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ConfigError(f"layer_types must be among {LAYER_TYPES}, got {bad}")
         if self.norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.pos_encoding == "rotary" and self.head_dim % 2 != 0:
