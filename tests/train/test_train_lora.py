@@ -236,3 +236,29 @@ def test_resume_keeps_the_adapter_and_a_new_run_keeps_off_it(
     run([*base, "--out", str(full)], capsys)
     line = error_of(["--out", str(full), "--resume", "--lora-rank", "2"], capsys)
     assert "holds a full training run; --lora-rank cannot be added" in line
+
+
+@pytest.mark.parametrize(
+    "arch,targets", [("gpt2", ("q", "v", "up")), ("gpt2", ("q", "k", "v")), ("llama", ("all",))]
+)
+def test_the_trained_forward_is_the_merged_adapter(arch: str, targets: tuple[str, ...]) -> None:
+    """What training optimizes (LoraLinear's forward) is what the written adapter computes."""
+    from model import GPT
+    from training.config import TrainConfig
+    from training.lora import adapter_of, inject_lora, merge_lora, resolve_targets
+
+    config = TrainConfig(out=Path("o"), data=Path("d"), arch=arch, n_layer=2, n_head=4,
+                         n_embd=32, n_kv_head=2 if arch == "llama" else None,
+                         block_size=32).model_config(vocab_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    inject_lora(model, resolve_targets(targets, model.config), rank=3, alpha=5.0, dropout=0.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    trained = logits_of(model, idx)
+    merge_lora(model, adapter_of(model, "t", 3, 5.0, None))
+    assert not any(p.requires_grad for p in model.parameters())
+    assert (logits_of(model, idx) - trained).abs().max() < 1e-4
