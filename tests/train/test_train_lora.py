@@ -228,6 +228,13 @@ def test_resume_keeps_the_adapter_and_a_new_run_keeps_off_it(
                         (["--init-from", str(text)], "init_from")):  # fmt: skip
         line = error_of(["--out", str(out), "--resume", *change], capsys)
         assert f"holds a LoRA run with {key}=" in line
+    # --merge on the --resume of a finished run writes the merged checkpoint, training nothing
+    before = (out / "adapter_model.safetensors").read_bytes()
+    assert "nothing to do" in run(["--out", str(out), "--resume", "--merge"], capsys)
+    assert (out / "adapter_model.safetensors").read_bytes() == before
+    idx = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(2))
+    merged = logits_of(load_checkpoint(out / MERGED_DIR), idx)
+    assert (merged - logits_of(ours_with_adapter(gpt2_base, out), idx)).abs().max() < 1e-5
     # a new run into it is refused: it holds a run; and a folder with only an adapter, too
     assert "holds a run" in error_of([*base, "--out", str(out), "--lora-rank", "2"], capsys)
     (out / STATE_FILE).unlink()
