@@ -1,9 +1,12 @@
-"""Hugging Face Llama-family directories (Llama, Mistral, Qwen2, Qwen3, SmolLM) as GPT configs.
+"""Hugging Face Llama-family directories (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) as GPT
+configs.
 
 A family is a config entry plus a name map, not another model: `config_from_hf` reads the fields
 of config.json into a `ModelConfig` (rotary, RMSNorm, SwiGLU, grouped-query attention, ...), and
-`state_from_hf` renames the weights, joining q/k/v into one `c_attn` and gate/up into one `c_fc`.
-Weights come from `model.safetensors` or from the shards that `model.safetensors.index.json` lists.
+`state_from_hf` renames the weights, joining q/k/v into one `c_attn` and gate/up into one `c_fc`
+(Phi-3 stores them joined already, in that order: `qkv_proj`, `gate_up_proj`). Weights come from
+`model.safetensors` or from the shards that `model.safetensors.index.json` lists. Gemma 3 is
+`model.hf_gemma`; `architecture` names every architecture a directory may have.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ LLAMA_FAMILY = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
-SUPPORTED = ("GPT2LMHeadModel", *LLAMA_FAMILY)
+GEMMA = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # model.hf_gemma
+SUPPORTED = ("GPT2LMHeadModel", *LLAMA_FAMILY, *GEMMA)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -48,6 +53,11 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return float(theta), None
+    if kind in ("longrope", "su"):
+        raise ConfigError(
+            f"rope_scaling of type {kind!r} (Phi-3's long-context models) is not supported; "
+            "the 4k-context models, with no rope_scaling, are"
+        )
     if kind != "llama3":
         raise ConfigError(f"rope_scaling of type {kind!r} is not supported (only 'llama3')")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -66,6 +76,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError("use_sliding_window true is not supported")
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias true is not supported")
+    if arch == "Phi3ForCausalLM":
+        _check_phi3(raw)
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
     if raw.get("attention_bias") and not qwen3:
         raise ConfigError("attention_bias true (biases on every projection) is not supported")
@@ -91,8 +103,21 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
+        # Phi-3 mini's window over every layer (Mistral's is refused above)
+        sliding_window=raw.get("sliding_window") if arch == "Phi3ForCausalLM" else None,
         tokenizer="hf",
     )
+
+
+def _check_phi3(raw: dict[str, Any]) -> None:
+    """Phi-3's own fields: a partial rotation is refused (its longrope scaling by `_rope`)."""
+    params = raw.get("rope_parameters") or {}
+    partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"Phi-3 hidden_act {act!r} is not supported (only silu)")
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -131,8 +156,17 @@ def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     out["transformer.ln_f.weight"] = need("model.norm.weight")
     if not config.tie_embeddings:
         out["lm_head.weight"] = need("lm_head.weight")
+    fused = "model.layers.0.self_attn.qkv_proj.weight" in state  # Phi-3
     for i in range(config.n_layer):
         src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        if fused:  # q, k, v rows and gate, up rows already joined in our order
+            out[dst + "attn.c_attn.weight"] = need(f"{src}self_attn.qkv_proj.weight")
+            out[dst + "attn.c_proj.weight"] = need(f"{src}self_attn.o_proj.weight")
+            out[dst + "mlp.c_fc.weight"] = need(f"{src}mlp.gate_up_proj.weight")
+            out[dst + "mlp.c_proj.weight"] = need(f"{src}mlp.down_proj.weight")
+            out[dst + "ln_1.weight"] = need(f"{src}input_layernorm.weight")
+            out[dst + "ln_2.weight"] = need(f"{src}post_attention_layernorm.weight")
+            continue
         qkv = [need(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
         out[dst + "attn.c_attn.weight"] = torch.cat(qkv)  # (nh + 2 n_kv) * hs rows, q first
         if config.attn_bias:

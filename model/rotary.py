@@ -19,13 +19,16 @@ def rotary_inv_freq(
 ) -> torch.Tensor:
     """(head_dim // 2,) float32 angular frequencies, with Llama 3's long-context rescaling when
     `scaling` is {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}."""
+    "original_max_position_embeddings"}, or every frequency divided by `factor` when it is
+    {"rope_type": "linear", "factor"} (Gemma 3's global layers)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
