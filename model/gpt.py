@@ -59,10 +59,13 @@ def _submodules(module: nn.Module, *names: str) -> tuple[nn.Module, ...]:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer)."""
+    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer); `window`:
+    each query sees only itself and the window - 1 tokens before it (sliding-window attention,
+    `kernels.window`). The cached forward takes each layer's window from the cache's pools."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
@@ -98,7 +101,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # (B, heads, T, hs)
-        y = flash_attention(q, k, v, causal=True)  # (B, nh, T, hs); KV head h // group for head h
+        # (B, nh, T, hs); KV head h // group for head h
+        y = flash_attention(q, k, v, causal=True, window=self.window)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -146,11 +150,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
         self.ln_1 = _norm(config, config.n_embd)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, window)
         self.ln_2 = _norm(config, config.n_embd)
         self.mlp = MLP(config)
 
@@ -177,8 +181,8 @@ class SandwichBlock(Block):
     """Gemma 3's layer: each branch normed on its way in (ln_1, ln_2) and on its way out
     (post_attn_norm, post_mlp_norm), before its residual add."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
+        super().__init__(config, window)
         self.post_attn_norm = _norm(config, config.n_embd)
         self.post_mlp_norm = _norm(config, config.n_embd)
 
@@ -198,7 +202,7 @@ class GPT(nn.Module):
         layers = dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList(block(config) for _ in range(config.n_layer)),
+            h=nn.ModuleList(block(config, window) for window in config.layer_windows()),
         )
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
