@@ -210,3 +210,21 @@ def test_unsupported_checkpoints_are_refused_in_one_line(
     with pytest.raises(CheckpointError, match=message) as info:
         load_checkpoint(tmp_path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "phi3"])
+def test_sequences_past_a_small_window_match_transformers(kind: str, tmp_path: Path) -> None:
+    """Window 8 over 40 tokens (Gemma 3: sliding and global layers alternate; Phi-3: every
+    layer windowed); transformers must really window: its logits past the window differ from
+    the same weights' without one."""
+    ref = make(kind, tmp_path / "w", sliding_window=8)
+    wide = make(kind, tmp_path / "wide", sliding_window=200)  # the same weights, no window
+    ours = load_checkpoint(tmp_path / "w")
+    assert {w for w in ours.config.layer_windows()} == ({8, None} if kind == "gemma3" else {8})
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = ref(idx).logits
+        assert (expected[:, 12:] - wide(idx).logits[:, 12:]).abs().max() > 0.1
+        assert (ours(idx) - expected).abs().max().item() < 1e-4
+        prompt = idx[0, :5].tolist()
+        assert greedy(ours, prompt, 24) == greedy(lambda t: ref(t).logits, prompt, 24)
