@@ -1,0 +1,63 @@
+"""Gemma 3 and Phi-3 checkpoints saved by transformers, loaded as the server loads them (the CPU
+wing included), generate transformers' greedy tokens and logprobs through the engine: a batch
+of prompts of mixed lengths over the paged KV cache, with prefix caching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.loader import load_for_inference
+from engine.sampler import SamplingParams
+from tests.model.test_hf_gemma_phi3 import VOCAB, make
+from tests.server.test_hf_models_served import save_word_tokenizer
+
+pytest.importorskip("transformers")
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = (3, 11, 20, 30)  # prompt + new tokens stay inside the window (64)
+
+
+def run(engine: Engine) -> dict:
+    out: dict = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            return out
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).append(ev)
+    raise AssertionError("engine did not finish")
+
+
+def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    """transformers' greedy tokens and each one's logprob, one full forward per token."""
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logprobs = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+            ids.append(int(logprobs.argmax()))
+            lps.append(float(logprobs[ids[-1]]))
+    return ids[len(prompt) :], lps
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "phi3"])
+def test_batched_greedy_tokens_and_logprobs_match_transformers(kind: str, tmp_path: Path) -> None:
+    ref = make(kind, tmp_path)
+    save_word_tokenizer(tmp_path)
+    loaded = load_for_inference(tmp_path, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    prompts.append(prompts[2][:15] + prompts[0])  # shares a cached prefix with the third
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(kv_block_size=8))
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+        engine.add_request(str(i), ids, params)
+    out = run(engine)
+    for i, ids in enumerate(prompts):
+        tokens, lps = reference(ref, ids)
+        events = out[str(i)]
+        assert [t for ev in events for t in ev.token_ids] == tokens
+        got = [lp.logprob for ev in events for lp in ev.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3
