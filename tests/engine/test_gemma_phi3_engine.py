@@ -1,6 +1,7 @@
 """Gemma 3 and Phi-3 checkpoints saved by transformers, loaded as the server loads them (the CPU
 wing included), generate transformers' greedy tokens and logprobs through the engine: a batch
-of prompts of mixed lengths over the paged KV cache, with prefix caching."""
+of prompts of mixed lengths over the paged KV cache, with prefix caching, past a sliding window
+of 8 tokens (Gemma 3: on every other layer; Phi-3: on every layer)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.server.test_hf_models_served import save_word_tokenizer
 pytest.importorskip("transformers")
 
 NEW_TOKENS = 12
-PROMPT_LENGTHS = (3, 11, 20, 30)  # prompt + new tokens stay inside the window (64)
+PROMPT_LENGTHS = (3, 11, 20, 30)
+WINDOW = 8
 
 
 def run(engine: Engine) -> dict:
@@ -44,9 +46,10 @@ def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:  # noq
 
 @pytest.mark.parametrize("kind", ["gemma3", "phi3"])
 def test_batched_greedy_tokens_and_logprobs_match_transformers(kind: str, tmp_path: Path) -> None:
-    ref = make(kind, tmp_path)
+    ref = make(kind, tmp_path, sliding_window=WINDOW)
     save_word_tokenizer(tmp_path)
     loaded = load_for_inference(tmp_path, device="cpu")
+    assert WINDOW in loaded.model.config.layer_windows()
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     prompts.append(prompts[2][:15] + prompts[0])  # shares a cached prefix with the third
