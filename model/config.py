@@ -11,7 +11,7 @@ POS_ENCODINGS = ("learned", "sinusoidal", "rotary")
 NORM_POSITIONS = ("pre", "post")
 NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
-ROPE_SCALINGS = ("default", "llama3", "linear")
+ROPE_SCALINGS = ("default", "llama3", "linear", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -176,6 +176,15 @@ class ModelConfig:
                     f"rope_scaling type {kind!r} is not supported (supported: "
                     f"{', '.join(ROPE_SCALINGS)})"
                 )
+            if kind == "longrope":
+                short = self.rope_scaling.get("short_factor")
+                if not isinstance(short, list) or len(short) != self.head_dim // 2:
+                    raise ConfigError(
+                        f"longrope's short_factor must be a list of head_dim / 2 = "
+                        f"{self.head_dim // 2} numbers"
+                    )
+                if not isinstance(self.rope_scaling.get("attention_factor"), (int, float)):
+                    raise ConfigError("longrope's attention_factor must be a number")
         for name in ("embed_scale", "rope_local_theta", "query_pre_attn_scalar", "logit_softcap"):
             value = getattr(self, name)
             if value is not None and (

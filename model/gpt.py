@@ -22,7 +22,7 @@ from kernels import flash_attention
 from kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
 from model.config import ModelConfig
 from model.rmsnorm import GemmaRMSNorm, RMSNorm
-from model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
+from model.rotary import apply_rotary, rotary_attention_factor, rotary_cos_sin, rotary_inv_freq
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -124,6 +124,10 @@ class CausalSelfAttention(nn.Module):
         return c_proj.forward(y.reshape(N, self.n_head * self.head_dim))
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
     """GPT-2's MLP (gelu or relu), or Llama's SwiGLU and Gemma's GeGLU: c_fc holds the gate's
     rows, then up's."""
@@ -133,6 +137,7 @@ class MLP(nn.Module):
         width = config.mlp_width
         self.gated = config.activation in ("swiglu", "geglu")
         self.gelu_gate = config.activation == "geglu"  # gelu (tanh) of the gate, not silu
+        self.gate_fn = _gelu_tanh if self.gelu_gate else F.silu
         self.c_fc = nn.Linear(config.n_embd, (2 if self.gated else 1) * width, bias=config.bias)
         self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.relu = config.activation == "relu"
@@ -142,7 +147,7 @@ class MLP(nn.Module):
         h = self.c_fc(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = (F.gelu(gate, approximate="tanh") if self.gelu_gate else F.silu(gate)) * up
+            h = self.gate_fn(gate) * up
         else:
             h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
         h = self.c_proj(h)
@@ -216,6 +221,7 @@ class GPT(nn.Module):
         if config.pos_encoding == "rotary":
             inv_freq = rotary_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # float32 always
+        self.rope_factor = rotary_attention_factor(config.rope_scaling)  # 1.0 but for longrope
         # Gemma 3: sliding-window layers rotate by another base (one more table per forward)
         self.local_rope_layers = config.local_rope_layers()
         if self.local_rope_layers is not None:
@@ -257,7 +263,7 @@ class GPT(nn.Module):
         """cos, sin of every token's position, once per forward for all layers (rotary only)."""
         if self.config.pos_encoding != "rotary":
             return None
-        return rotary_cos_sin(pos, self.rope_inv_freq.to(pos.device), dtype)
+        return rotary_cos_sin(pos, self.rope_inv_freq.to(pos.device), dtype, self.rope_factor)
 
     def _local_rope(self, pos: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos, sin by `rope_local_inv_freq`, for the layers `local_rope_layers` marks."""

@@ -12,6 +12,7 @@ of config.json into a `ModelConfig` (rotary, RMSNorm, SwiGLU, grouped-query atte
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +55,41 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if kind in (None, "default"):
         return float(theta), None
     if kind in ("longrope", "su"):
-        raise ConfigError(
-            f"rope_scaling of type {kind!r} (Phi-3's long-context models) is not supported; "
-            "the 4k-context models, with no rope_scaling, are"
-        )
+        return float(theta), _longrope(raw, scaling)
     if kind != "llama3":
         raise ConfigError(f"rope_scaling of type {kind!r} is not supported (only 'llama3')")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's long-context rotation within its original context: the short factors and the
+    attention factor transformers applies there (longer sequences would need the long factors,
+    so the context is capped at original_max_position_embeddings: `context_length`)."""
+    original = scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in scaling:
+        raise ConfigError(
+            "longrope rope_scaling needs short_factor and original_max_position_embeddings"
+        )
+    factor = scaling.get("factor") or raw["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(f) for f in scaling["short_factor"]],
+        "attention_factor": float(attention),
+        "original_max_position_embeddings": int(original),
+    }
+
+
+def context_length(raw: dict[str, Any], scaling: dict[str, Any] | None) -> int:
+    """The most tokens served: max_position_embeddings, or a longrope model's original context."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return scaling["original_max_position_embeddings"]
+    return raw.get("max_position_embeddings", 2048)
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
@@ -86,7 +114,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     return ModelConfig(
         vocab_size=raw["vocab_size"],
-        block_size=raw.get("max_position_embeddings", 2048),
+        block_size=context_length(raw, scaling),
         n_layer=raw["num_hidden_layers"],
         n_head=heads,
         n_embd=hidden,

@@ -44,7 +44,7 @@ def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:  # noq
     return ids[len(prompt) :], lps
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "phi3-longrope"])
 def test_batched_greedy_tokens_and_logprobs_match_transformers(kind: str, tmp_path: Path) -> None:
     ref = make(kind, tmp_path, sliding_window=WINDOW)
     save_word_tokenizer(tmp_path)

@@ -41,6 +41,12 @@ CASES = {
         **GEMMA, "tie_word_embeddings": False, "rope_scaling": None,
         "query_pre_attn_scalar": 24, "final_logit_softcapping": None}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
+    # a long-context Phi-3 within its original context (64 of 256 positions)
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {
+        **PHI3, "original_max_position_embeddings": 64, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.3, 1.9, 2.4, 3.1, 3.3, 3.8, 4.0],
+            "long_factor": [4.0, 5.5, 7.0, 8.0, 9.5, 10.0, 11.0, 12.0]}}),
 }  # fmt: skip
 
 
@@ -193,8 +199,8 @@ def test_new_config_fields_are_validated(change: dict, message: str, tmp_path: P
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("gemma3", {"hidden_activation": "relu"}, "hidden_activation 'relu'"),
         ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-        ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                   "long_factor": [2.0] * 8}}, "longrope"),
+        ("phi3", {"rope_scaling": {"rope_type": "longrope", "long_factor": [2.0] * 8}},
+         "longrope rope_scaling needs short_factor"),
         ("phi3", {"architectures": ["Phi4MMForCausalLM"]},
          "supported: GPT2LMHeadModel, .*Phi3ForCausalLM, Gemma3ForCausalLM"),
     ],
@@ -228,3 +234,15 @@ def test_sequences_past_a_small_window_match_transformers(kind: str, tmp_path: P
         assert (ours(idx) - expected).abs().max().item() < 1e-4
         prompt = idx[0, :5].tolist()
         assert greedy(ours, prompt, 24) == greedy(lambda t: ref(t).logits, prompt, 24)
+
+
+def test_phi3_longrope_serves_its_original_context_as_transformers(tmp_path: Path) -> None:
+    """Within 64 tokens transformers rotates a longrope Phi-3 by its short factors and scales
+    cos and sin by the attention factor; the context is capped there (the long factors, past
+    it, are not implemented)."""
+    ref = make("phi3-longrope", tmp_path)
+    ours = load_checkpoint(tmp_path)
+    assert ours.config.block_size == 64 and ours.rope_factor > 1.1
+    idx = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (ours(idx) - ref(idx).logits).abs().max().item() < 1e-4
