@@ -108,6 +108,8 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or n_embd // n_head)
     if arch == "gemma3":
         return _gemma3_config(meta, common, head_dim, field)
+    # a `llama` file of a Mistral with its window keeps it in attention.sliding_window: every layer
+    window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
     return ModelConfig(
         **common,
         n_kv_head=int(field("attention.head_count_kv", n_head)),
@@ -120,6 +122,7 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
         activation="swiglu",
         layer_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        sliding_window=None if window is None else int(window),
     )
 
 
