@@ -176,3 +176,30 @@ def test_chat_template_comes_from_the_file(files: Path) -> None:
         "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nyes<end_of_turn>\n"
         "<start_of_turn>model\n"
     )
+
+
+def test_served_file_generates_transformers_greedy_tokens(files: Path) -> None:
+    """The F32 file as the server loads it (the file's own bits, the CPU wing) through the engine
+    over the paged cache, a batch of two, past the window."""
+    from engine.engine import Engine, EngineConfig
+    from engine.loader import load_for_inference
+    from engine.sampler import SamplingParams
+
+    loaded = load_for_inference(files / "gemma3-F32.gguf", device="cpu")
+    ref = reference(files, "F32")
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS[:2]]
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(kv_block_size=8))
+    for i, ids in enumerate(prompts):
+        engine.add_request(
+            str(i), ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for ev in engine.step():
+            got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    for i, ids in enumerate(prompts):
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(12):
+                seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert got[str(i)] == seq[len(ids) :]
