@@ -251,7 +251,7 @@ class GPT(nn.Module):
 
     def _embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = self.transformer.wte(idx)
-        if self.embed_scale is not None:
+        if self.config.embed_scale is not None:  # the config's: a plain read, not a buffer's
             x = x * self.embed_scale.to(x.dtype)
         if self.config.pos_encoding == "learned":
             x = x + self.transformer.wpe(pos)

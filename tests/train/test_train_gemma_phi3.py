@@ -1,6 +1,7 @@
 """train.py --init-from a Gemma 3 or Phi-3 directory saved by transformers: the loss falls, the
 output keeps the family's config, loads with the trained weights and generates through the engine
-as the server loads it (CPU wing, paged KV cache, sliding window of 8) as the full forward does.
+as the server loads it (CPU wing, paged KV cache, sliding window of 8) as the full forward does;
+--resume continues it.
 """
 
 from __future__ import annotations
@@ -96,3 +97,7 @@ def test_fine_tune_then_serve(kind: str, text: Path, tmp_path: Path, capsys) -> 
         for _ in range(12):
             seq.append(int(trained(torch.tensor([seq]))[0, -1].argmax()))
     assert got == seq[len(ids) :]
+
+    # --resume continues the run from its own files
+    assert train.main(["--out", str(out), "--resume", "--max-steps", "24"]) == 0
+    assert len(losses(out)) == 24 and ModelConfig.from_json(out / "config.json") == saved
