@@ -29,8 +29,9 @@ class ModelConfig:
         down(silu(gate(x)) * up(x)), with gate and up stored as one `c_fc` of 2 * mlp_width rows;
         "geglu" is Gemma's, the same with gelu (tanh approximation) for silu.
 
-    The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) is these fields, not another model:
-    pos_encoding "rotary" (rope_theta, and rope_scaling {"rope_type": "llama3", ...}), norm
+    The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) is these fields, not another
+    model: pos_encoding "rotary" (rope_theta, and rope_scaling {"rope_type": "llama3", ...}, or
+    Phi-3's {"rope_type": "longrope", "short_factor", "attention_factor"}), norm
     "rmsnorm", activation "swiglu", n_kv_head < n_head for grouped-query attention, head_size
     when heads are not n_embd // n_head wide, qkv_bias (Qwen2) and qk_norm (Qwen3: RMSNorm of
     each query and key head before the rotation), bias False, tie_embeddings as the checkpoint.
@@ -191,8 +192,13 @@ class ModelConfig:
                 not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
             ):
                 raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
-        if self.query_pre_attn_scalar is not None and not self.qk_norm:
-            raise ConfigError("query_pre_attn_scalar needs qk_norm (the query norm applies it)")
+        if self.query_pre_attn_scalar is not None and not (
+            self.qk_norm and self.norm == "gemma_rmsnorm"
+        ):
+            raise ConfigError(
+                "query_pre_attn_scalar needs qk_norm and norm 'gemma_rmsnorm' (the query norm "
+                "applies it)"
+            )
         if self.rope_local_theta is not None and (
             self.pos_encoding != "rotary" or self.layer_types is None
         ):

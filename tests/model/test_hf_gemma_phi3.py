@@ -179,6 +179,8 @@ def test_our_checkpoint_of_each_family_round_trips(kind: str, tmp_path: Path) ->
         (dict(embed_scale=0.0), "embed_scale must be a positive number"),
         (dict(logit_softcap="30"), "logit_softcap must be a positive number"),
         (dict(query_pre_attn_scalar=32, qk_norm=False), "query_pre_attn_scalar needs qk_norm"),
+        (dict(norm="rmsnorm"), "query_pre_attn_scalar needs qk_norm and norm 'gemma_rmsnorm'"),
+        (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0]}), "short_factor must"),
         (dict(rope_local_theta=1e4, layer_types=None), "rope_local_theta needs"),
         (dict(norm="gemma"), "norm must be one of"),
         (dict(activation="gelu_gated"), "activation must be one of"),
