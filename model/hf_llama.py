@@ -57,7 +57,9 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if kind in ("longrope", "su"):
         return float(theta), _longrope(raw, scaling)
     if kind != "llama3":
-        raise ConfigError(f"rope_scaling of type {kind!r} is not supported (only 'llama3')")
+        raise ConfigError(
+            f"rope_scaling of type {kind!r} is not supported (llama3; Phi-3's longrope)"
+        )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
