@@ -102,7 +102,10 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # (B, heads, T, hs)
         # (B, nh, T, hs); KV head h // group for head h
-        y = flash_attention(q, k, v, causal=True, window=self.window)
+        if self.window is None:  # (a global layer's call, as before windows)
+            y = flash_attention(q, k, v, causal=True)
+        else:
+            y = flash_attention(q, k, v, causal=True, window=self.window)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
