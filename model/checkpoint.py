@@ -3,7 +3,8 @@
 Ours: `config.json` (ModelConfig with "format": "gptserve") + `model.safetensors`.
 Hugging Face GPT-2: `config.json` (model_type gpt2) + `model.safetensors`, or `pytorch_model.bin`
 read with `torch.load(weights_only=True)`; its Conv1D weights are stored (in, out) and transposed here.
-Hugging Face Llama, Mistral, Qwen2 and Qwen3 (by `architectures`): `model.hf_llama`.
+Hugging Face Llama, Mistral, Qwen2, Qwen3 and Phi-3 (by `architectures`): `model.hf_llama`;
+Gemma 3: `model.hf_gemma`.
 Nothing is ever unpickled beyond plain tensors.
 """
 
@@ -18,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model import hf_llama
+from model import hf_gemma, hf_llama
 from model.config import ConfigError, ModelConfig
 from model.gpt import GPT
 
@@ -102,7 +103,7 @@ def load_checkpoint(
     low_bit: bool = False,
 ) -> GPT:
     """Load our checkpoint directory, a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2,
-    Qwen3) or a GGUF file into an eval-mode GPT.
+    Qwen3, Phi-3, Gemma 3) or a GGUF file into an eval-mode GPT.
 
     A GGUF file's weights are dequantized to float unless `low_bit`, which keeps its quantized
     matrices at their own bits (`model.gguf.quantized`; on a CPU, inference only); `low_bit` is
@@ -131,8 +132,9 @@ def load_checkpoint(
             config = _config_from_hf(raw)
             state = _hf_state_dict(_read_weights(path, allow_bin=True))
         else:
-            config = hf_llama.config_from_hf(raw)
-            state = hf_llama.state_from_hf(hf_llama.read_safetensors(path), config)
+            family = hf_gemma if hf_llama.architecture(raw) in hf_llama.GEMMA else hf_llama
+            config = family.config_from_hf(raw)
+            state = family.state_from_hf(hf_llama.read_safetensors(path), config)
             stored = next((t.dtype for t in state.values() if t.is_floating_point()), None)
     except ConfigError as exc:
         raise CheckpointError(f"{cfg_path}: {exc}") from None

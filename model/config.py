@@ -9,8 +9,9 @@ from typing import Any
 
 POS_ENCODINGS = ("learned", "sinusoidal", "rotary")
 NORM_POSITIONS = ("pre", "post")
-NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "relu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
+ROPE_SCALINGS = ("default", "llama3", "linear", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -25,14 +26,21 @@ class ModelConfig:
     pos_encoding: "learned" (GPT-2 `wpe`) or "sinusoidal" (fixed, no parameters).
     norm_position: "pre" (GPT-2: x + f(LN(x)), final LN) or "post" ("Add & Norm": LN(x + f(x))).
     activation: "gelu" (tanh approximation, as GPT-2) or "relu"; "swiglu" is Llama's gated MLP,
-        down(silu(gate(x)) * up(x)), with gate and up stored as one `c_fc` of 2 * mlp_width rows.
+        down(silu(gate(x)) * up(x)), with gate and up stored as one `c_fc` of 2 * mlp_width rows;
+        "geglu" is Gemma's, the same with gelu (tanh approximation) for silu.
 
-    The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) is these fields, not another model:
-    pos_encoding "rotary" (rope_theta, and rope_scaling {"rope_type": "llama3", ...}), norm
+    The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) is these fields, not another
+    model: pos_encoding "rotary" (rope_theta, and rope_scaling {"rope_type": "llama3", ...}, or
+    Phi-3's {"rope_type": "longrope", "short_factor", "attention_factor"}), norm
     "rmsnorm", activation "swiglu", n_kv_head < n_head for grouped-query attention, head_size
     when heads are not n_embd // n_head wide, qkv_bias (Qwen2) and qk_norm (Qwen3: RMSNorm of
     each query and key head before the rotation), bias False, tie_embeddings as the checkpoint.
     q, k and v are one `c_attn` of (n_head + 2 * n_kv_head) * head_dim rows, q first.
+
+    Gemma 3 adds: norm "gemma_rmsnorm" (x / rms(x) * (1 + weight), in float32), sandwich_norm (a
+    norm on each branch's output too), embed_scale (sqrt(n_embd) times the embedding), activation
+    "geglu", rope_local_theta (the rotary base of sliding-window layers), query_pre_attn_scalar
+    (attention scores scaled by its inverse square root) and logit_softcap.
     """
 
     vocab_size: int = 50257
@@ -63,6 +71,16 @@ class ModelConfig:
     # each layer's kind, Hugging Face's `layer_types`: "sliding_attention" (windowed) or
     # "full_attention"; None: every layer windowed when sliding_window is set
     layer_types: list[str] | None = None
+    # Gemma 3: a norm on the attention's and the MLP's outputs before each residual add (each
+    # layer's post_attn_norm and post_mlp_norm), as well as on their inputs (ln_1, ln_2)
+    sandwich_norm: bool = False
+    embed_scale: float | None = None  # the embedding times this, in the model's dtype; None: 1
+    # the rotary base of "sliding_attention" layers (Gemma 3's rope_local_base_freq; never
+    # scaled); None: rope_theta for every layer
+    rope_local_theta: float | None = None
+    # attention scores are q.k / sqrt(query_pre_attn_scalar); None: head_dim (the usual scale)
+    query_pre_attn_scalar: float | None = None
+    logit_softcap: float | None = None  # logits become cap * tanh(logits / cap); None: as they are
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +113,21 @@ class ModelConfig:
             self.sliding_window if kind == "sliding_attention" else None
             for kind in self.layer_types
         )
+
+    def local_rope_layers(self) -> tuple[bool, ...] | None:
+        """Which layers rotate by `rope_local_theta` (the "sliding_attention" ones); None when
+        every layer rotates alike."""
+        if self.rope_local_theta is None or self.layer_types is None:
+            return None
+        return tuple(kind == "sliding_attention" for kind in self.layer_types)
+
+    @property
+    def query_scale(self) -> float:
+        """What queries are multiplied by so that attention's usual 1 / sqrt(head_dim) scale
+        makes 1 / sqrt(query_pre_attn_scalar): 1.0 unless that is set."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     @property
     def attn_bias(self) -> bool:
@@ -139,8 +172,39 @@ class ModelConfig:
             raise ConfigError(f"rotary positions need an even head dim, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("default", "llama3"):
-                raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+            if kind not in ROPE_SCALINGS:
+                raise ConfigError(
+                    f"rope_scaling type {kind!r} is not supported (supported: "
+                    f"{', '.join(ROPE_SCALINGS)})"
+                )
+            if kind == "longrope":
+                short = self.rope_scaling.get("short_factor")
+                if not isinstance(short, list) or len(short) != self.head_dim // 2:
+                    raise ConfigError(
+                        f"longrope's short_factor must be a list of head_dim / 2 = "
+                        f"{self.head_dim // 2} numbers"
+                    )
+                if not isinstance(self.rope_scaling.get("attention_factor"), (int, float)):
+                    raise ConfigError("longrope's attention_factor must be a number")
+        for name in ("embed_scale", "rope_local_theta", "query_pre_attn_scalar", "logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
+            ):
+                raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+        if self.query_pre_attn_scalar is not None and not (
+            self.qk_norm and self.norm == "gemma_rmsnorm"
+        ):
+            raise ConfigError(
+                "query_pre_attn_scalar needs qk_norm and norm 'gemma_rmsnorm' (the query norm "
+                "applies it)"
+            )
+        if self.rope_local_theta is not None and (
+            self.pos_encoding != "rotary" or self.layer_types is None
+        ):
+            raise ConfigError("rope_local_theta needs pos_encoding 'rotary' and layer_types")
+        if self.sandwich_norm and self.norm_position != "pre":
+            raise ConfigError("sandwich_norm needs norm_position 'pre'")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.pos_encoding not in POS_ENCODINGS:

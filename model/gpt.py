@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from kernels import flash_attention
 from kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
 from model.config import ModelConfig
-from model.rmsnorm import RMSNorm
-from model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
+from model.rmsnorm import GemmaRMSNorm, RMSNorm
+from model.rotary import apply_rotary, rotary_attention_factor, rotary_cos_sin, rotary_inv_freq
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
@@ -40,7 +40,10 @@ Rope = (
 )  # cos, signed sin (N, 1, head_dim) of each token (model.rotary); None: no rotary
 
 
-def _norm(config: ModelConfig, dim: int) -> nn.Module:
+def _norm(config: ModelConfig, dim: int, scale: float = 1.0) -> nn.Module:
+    """The config's norm over `dim` channels; `scale` (a query norm's) only for Gemma's."""
+    if config.norm == "gemma_rmsnorm":
+        return GemmaRMSNorm(dim, eps=config.layer_norm_eps, scale=scale)
     if config.norm == "rmsnorm":
         return RMSNorm(dim, eps=config.layer_norm_eps)
     return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
@@ -56,10 +59,13 @@ def _submodules(module: nn.Module, *names: str) -> tuple[nn.Module, ...]:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer)."""
+    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer); `window`:
+    each query sees only itself and the window - 1 tokens before it (sliding-window attention,
+    `kernels.window`). The cached forward takes each layer's window from the cache's pools."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
@@ -68,8 +74,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(q_width, config.n_embd, bias=config.bias)
         self.qk_norm = config.qk_norm  # a plain flag: `hasattr` on a module raises inside
         if config.qk_norm:  # Qwen3: each head's query and key normalized before the rotation
-            self.q_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.layer_norm_eps)
+            # Gemma 3's query norm also scales queries for its query_pre_attn_scalar
+            self.q_norm = _norm(config, self.head_dim, scale=config.query_scale)
+            self.k_norm = _norm(config, self.head_dim)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -94,7 +101,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # (B, heads, T, hs)
-        y = flash_attention(q, k, v, causal=True)  # (B, nh, T, hs); KV head h // group for head h
+        # (B, nh, T, hs); KV head h // group for head h
+        if self.window is None:  # (a global layer's call, as before windows)
+            y = flash_attention(q, k, v, causal=True)
+        else:
+            y = flash_attention(q, k, v, causal=True, window=self.window)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -116,13 +127,20 @@ class CausalSelfAttention(nn.Module):
         return c_proj.forward(y.reshape(N, self.n_head * self.head_dim))
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
-    """GPT-2's MLP (gelu or relu), or Llama's SwiGLU: c_fc holds the gate's rows, then up's."""
+    """GPT-2's MLP (gelu or relu), or Llama's SwiGLU and Gemma's GeGLU: c_fc holds the gate's
+    rows, then up's."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         width = config.mlp_width
-        self.gated = config.activation == "swiglu"
+        self.gated = config.activation in ("swiglu", "geglu")
+        self.gelu_gate = config.activation == "geglu"  # gelu (tanh) of the gate, not silu
+        self.gate_fn = _gelu_tanh if self.gelu_gate else F.silu
         self.c_fc = nn.Linear(config.n_embd, (2 if self.gated else 1) * width, bias=config.bias)
         self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.relu = config.activation == "relu"
@@ -132,7 +150,7 @@ class MLP(nn.Module):
         h = self.c_fc(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.gate_fn(gate) * up
         else:
             h = F.relu(h) if self.relu else F.gelu(h, approximate="tanh")
         h = self.c_proj(h)
@@ -140,11 +158,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
         self.ln_1 = _norm(config, config.n_embd)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, window)
         self.ln_2 = _norm(config, config.n_embd)
         self.mlp = MLP(config)
 
@@ -167,14 +185,32 @@ class Block(nn.Module):
         return ln_2.forward(x + mlp.forward(x))
 
 
+class SandwichBlock(Block):
+    """Gemma 3's layer: each branch normed on its way in (ln_1, ln_2) and on its way out
+    (post_attn_norm, post_mlp_norm), before its residual add."""
+
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
+        super().__init__(config, window)
+        self.post_attn_norm = _norm(config, config.n_embd)
+        self.post_mlp_norm = _norm(config, config.n_embd)
+
+    def _residual(self, x: torch.Tensor, attend) -> torch.Tensor:
+        ln_1, ln_2, mlp, post_attn_norm, post_mlp_norm = _submodules(
+            self, "ln_1", "ln_2", "mlp", "post_attn_norm", "post_mlp_norm"
+        )
+        x = x + post_attn_norm.forward(attend(ln_1.forward(x)))
+        return x + post_mlp_norm.forward(mlp.forward(ln_2.forward(x)))
+
+
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        block = SandwichBlock if config.sandwich_norm else Block
         layers = dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            h=nn.ModuleList(block(config, window) for window in config.layer_windows()),
         )
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
@@ -188,6 +224,15 @@ class GPT(nn.Module):
         if config.pos_encoding == "rotary":
             inv_freq = rotary_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # float32 always
+        self.rope_factor = rotary_attention_factor(config.rope_scaling)  # 1.0 but for longrope
+        # Gemma 3: sliding-window layers rotate by another base (one more table per forward)
+        self.local_rope_layers = config.local_rope_layers()
+        if self.local_rope_layers is not None:
+            local = rotary_inv_freq(config.head_dim, config.rope_local_theta)
+            self.register_buffer("rope_local_inv_freq", local, persistent=False)
+        # Gemma: a float32 scalar cast with the model, as transformers rounds it; None: no scale
+        scale = None if config.embed_scale is None else torch.tensor(float(config.embed_scale))
+        self.register_buffer("embed_scale", scale, persistent=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -209,6 +254,8 @@ class GPT(nn.Module):
 
     def _embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = self.transformer.wte(idx)
+        if self.config.embed_scale is not None:  # the config's: a plain read, not a buffer's
+            x = x * self.embed_scale.to(x.dtype)
         if self.config.pos_encoding == "learned":
             x = x + self.transformer.wpe(pos)
         elif self.config.pos_encoding == "sinusoidal":
@@ -219,7 +266,11 @@ class GPT(nn.Module):
         """cos, sin of every token's position, once per forward for all layers (rotary only)."""
         if self.config.pos_encoding != "rotary":
             return None
-        return rotary_cos_sin(pos, self.rope_inv_freq.to(pos.device), dtype)
+        return rotary_cos_sin(pos, self.rope_inv_freq.to(pos.device), dtype, self.rope_factor)
+
+    def _local_rope(self, pos: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos, sin by `rope_local_inv_freq`, for the layers `local_rope_layers` marks."""
+        return rotary_cos_sin(pos, self.rope_local_inv_freq.to(pos.device), dtype)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The final hidden states as the head reads them (after ln_f, where the model has one)."""
@@ -227,8 +278,17 @@ class GPT(nn.Module):
             x = self.transformer.ln_f(x)
         return x
 
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head's logits of final hidden states after the final norm, soft-capped where the
+        config says (Gemma's final_logit_softcapping)."""
+        logits = self.lm_head(normed)
+        cap = self.config.logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._final_norm(x))
+        return self._logits(self._final_norm(x))
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) final hidden states before ln_f/lm_head."""
@@ -238,8 +298,13 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self._embed(idx, pos)  # (B, T, C)
         rope = self._rope(pos, x.dtype)
-        for block in self.transformer.h:
-            x = block(x, rope)
+        if self.local_rope_layers is None:
+            for block in self.transformer.h:
+                x = block(x, rope)
+            return x
+        local = self._local_rope(pos, x.dtype)
+        for block, is_local in zip(self.transformer.h, self.local_rope_layers):
+            x = block(x, local if is_local else rope)
         return x
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -273,10 +338,16 @@ class GPT(nn.Module):
         x = self._embed(tokens, meta.positions)  # (N, C)
         rope = self._rope(meta.positions, x.dtype)
         plan = cache.plan(meta)  # the attention backend's, built once for every layer
-        for layer, block in enumerate(self.transformer.h):
-            x = block.forward_cached(x, cache, layer, plan, rope)
+        if self.local_rope_layers is None:
+            for layer, block in enumerate(self.transformer.h):
+                x = block.forward_cached(x, cache, layer, plan, rope)
+        else:
+            local = self._local_rope(meta.positions, x.dtype)
+            for layer, block in enumerate(self.transformer.h):
+                layer_rope = local if self.local_rope_layers[layer] else rope
+                x = block.forward_cached(x, cache, layer, plan, layer_rope)
         index = meta.last_token_index if logits_index is None else logits_index
         if hidden_index is None:
             return self._head(x[index])  # (M, V)
         normed = self._final_norm(x[torch.cat([index, hidden_index])])  # one norm for both
-        return self.lm_head(normed[: len(index)]), normed[len(index) :]
+        return self._logits(normed[: len(index)]), normed[len(index) :]

@@ -1,14 +1,18 @@
-"""Hugging Face Llama-family directories (Llama, Mistral, Qwen2, Qwen3, SmolLM) as GPT configs.
+"""Hugging Face Llama-family directories (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) as GPT
+configs.
 
 A family is a config entry plus a name map, not another model: `config_from_hf` reads the fields
 of config.json into a `ModelConfig` (rotary, RMSNorm, SwiGLU, grouped-query attention, ...), and
-`state_from_hf` renames the weights, joining q/k/v into one `c_attn` and gate/up into one `c_fc`.
-Weights come from `model.safetensors` or from the shards that `model.safetensors.index.json` lists.
+`state_from_hf` renames the weights, joining q/k/v into one `c_attn` and gate/up into one `c_fc`
+(Phi-3 stores them joined already, in that order: `qkv_proj`, `gate_up_proj`). Weights come from
+`model.safetensors` or from the shards that `model.safetensors.index.json` lists. Gemma 3 is
+`model.hf_gemma`; `architecture` names every architecture a directory may have.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +27,10 @@ LLAMA_FAMILY = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
-SUPPORTED = ("GPT2LMHeadModel", *LLAMA_FAMILY)
+GEMMA = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # model.hf_gemma
+SUPPORTED = ("GPT2LMHeadModel", *LLAMA_FAMILY, *GEMMA)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -48,24 +54,74 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return float(theta), None
+    if kind in ("longrope", "su"):
+        return float(theta), _longrope(raw, scaling)
     if kind != "llama3":
-        raise ConfigError(f"rope_scaling of type {kind!r} is not supported (only 'llama3')")
+        raise ConfigError(
+            f"rope_scaling of type {kind!r} is not supported (llama3; Phi-3's longrope)"
+        )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's long-context rotation within its original context: the short factors and the
+    attention factor transformers applies there (longer sequences would need the long factors,
+    so the context is capped at original_max_position_embeddings: `context_length`)."""
+    original = scaling.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in scaling:
+        raise ConfigError(
+            "longrope rope_scaling needs short_factor and original_max_position_embeddings"
+        )
+    factor = scaling.get("factor") or raw["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(f) for f in scaling["short_factor"]],
+        "attention_factor": float(attention),
+        "original_max_position_embeddings": int(original),
+    }
+
+
+def context_length(raw: dict[str, Any], scaling: dict[str, Any] | None) -> int:
+    """The most tokens served: max_position_embeddings, or a longrope model's original context."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return scaling["original_max_position_embeddings"]
+    return raw.get("max_position_embeddings", 2048)
+
+
+def _windows(arch: str, raw: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as transformers applies them: Mistral's and Phi-3's
+    `sliding_window` on every layer (or on those `layer_types` names); Qwen2's and Qwen3's only with
+    `use_sliding_window`, on the layers from `max_window_layers` on unless `layer_types` says."""
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # Phi-3 mini's: every layer
+        window = raw.get("sliding_window")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+        window = raw.get("sliding_window")
+        if window is not None and not raw.get("layer_types"):
+            first = raw.get("max_window_layers", raw["num_hidden_layers"])
+            kinds = ["sliding_attention" if i >= first else "full_attention"
+                     for i in range(raw["num_hidden_layers"])]  # fmt: skip
+            return window, kinds
+    else:
+        return None, None
+    if window is None:
+        return None, None
+    return window, raw.get("layer_types") or None
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     """A ModelConfig for a Llama-family config.json; one clear error for what is not supported."""
     arch = architecture(raw)
-    if arch == "MistralForCausalLM" and raw.get("sliding_window") is not None:
-        raise ConfigError(
-            "Mistral with a sliding_window is not supported (set it to null for full attention); "
-            f"supported: {', '.join(SUPPORTED)}"
-        )
-    if raw.get("use_sliding_window"):
-        raise ConfigError("use_sliding_window true is not supported")
+    window, layer_types = _windows(arch, raw)
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias true is not supported")
+    if arch == "Phi3ForCausalLM":
+        _check_phi3(raw)
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
     if raw.get("attention_bias") and not qwen3:
         raise ConfigError("attention_bias true (biases on every projection) is not supported")
@@ -74,7 +130,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     return ModelConfig(
         vocab_size=raw["vocab_size"],
-        block_size=raw.get("max_position_embeddings", 2048),
+        block_size=context_length(raw, scaling),
         n_layer=raw["num_hidden_layers"],
         n_head=heads,
         n_embd=hidden,
@@ -91,8 +147,21 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
+        sliding_window=window,
+        layer_types=layer_types,
         tokenizer="hf",
     )
+
+
+def _check_phi3(raw: dict[str, Any]) -> None:
+    """Phi-3's own fields: a partial rotation is refused (its longrope scaling by `_rope`)."""
+    params = raw.get("rope_parameters") or {}
+    partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"Phi-3 hidden_act {act!r} is not supported (only silu)")
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -131,8 +200,17 @@ def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     out["transformer.ln_f.weight"] = need("model.norm.weight")
     if not config.tie_embeddings:
         out["lm_head.weight"] = need("lm_head.weight")
+    fused = "model.layers.0.self_attn.qkv_proj.weight" in state  # Phi-3
     for i in range(config.n_layer):
         src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        if fused:  # q, k, v rows and gate, up rows already joined in our order
+            out[dst + "attn.c_attn.weight"] = need(f"{src}self_attn.qkv_proj.weight")
+            out[dst + "attn.c_proj.weight"] = need(f"{src}self_attn.o_proj.weight")
+            out[dst + "mlp.c_fc.weight"] = need(f"{src}mlp.gate_up_proj.weight")
+            out[dst + "mlp.c_proj.weight"] = need(f"{src}mlp.down_proj.weight")
+            out[dst + "ln_1.weight"] = need(f"{src}input_layernorm.weight")
+            out[dst + "ln_2.weight"] = need(f"{src}post_attention_layernorm.weight")
+            continue
         qkv = [need(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
         out[dst + "attn.c_attn.weight"] = torch.cat(qkv)  # (nh + 2 n_kv) * hs rows, q first
         if config.attn_bias:

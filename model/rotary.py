@@ -19,13 +19,22 @@ def rotary_inv_freq(
 ) -> torch.Tensor:
     """(head_dim // 2,) float32 angular frequencies, with Llama 3's long-context rescaling when
     `scaling` is {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    "original_max_position_embeddings"}, or every frequency divided by `factor` when it is
+    {"rope_type": "linear", "factor"} (Gemma 3's global layers), or each divided by its
+    `short_factor` when it is {"rope_type": "longrope", "short_factor", "attention_factor"}
+    (Phi-3's long-context models within their original context, where transformers uses those)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "longrope":
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * theta**exponents)
+    inv = 1.0 / theta**exponents
     if kind in (None, "default"):
         return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -38,16 +47,26 @@ def rotary_inv_freq(
     return torch.where(middle, blended, out)
 
 
+def rotary_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: longrope's `attention_factor`, else 1."""
+    if scaling and scaling.get("rope_type") == "longrope":
+        return float(scaling["attention_factor"])
+    return 1.0
+
+
 def rotary_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) positions -> cos and signed sin, each (N, 1, head_dim), computed in float32 and cast
-    to dtype: sin's first half is negated, so that `apply_rotary` needs no negation per call."""
+    """(N,) positions -> cos and signed sin, each (N, 1, head_dim), computed in float32 (times
+    `factor`, `rotary_attention_factor`'s) and cast to dtype: sin's first half is negated, so that
+    `apply_rotary` needs no negation per call."""
     angles = positions.float()[:, None] * inv_freq[None, :]  # (N, hd/2)
     emb = torch.cat([angles, angles], dim=-1)  # (N, hd)
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     sin[:, : angles.shape[1]].neg_()
-    return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

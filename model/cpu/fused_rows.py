@@ -76,7 +76,8 @@ def install_fused_rows(model: GPT, ops: Any) -> int:
         norms = (block.ln_1, block.ln_2)
         if not all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms):
             continue
-        if not (isinstance(block.mlp, MLP) and block.mlp.gated and block.pre_norm):
+        mlp = block.mlp
+        if not (isinstance(mlp, MLP) and mlp.gated and not mlp.gelu_gate and block.pre_norm):
             continue
         c_attn = block.attn.c_attn
         block.ln_1 = FusedRMSNorm(block.ln_1, ops, _input_dtype(c_attn))

@@ -1,14 +1,20 @@
 """GGUF files (llama.cpp's format) as GPT configs and weights, read with the `gguf` package.
 
-Architectures `llama` (also SmolLM and Mistral files), `qwen2`, `qwen3` and `gpt2`; tensors F32,
+Architectures `llama` (also SmolLM and Mistral files), `qwen2`, `qwen3`, `gemma3` and `gpt2`; tensors F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K. `read_gguf` returns the config, the tokenizer and
 chat template from the metadata, and the tensors by our names (`quantized_tensors` keeps them at
 their own bits; `dequantized_state` turns them into float).
 
 llama.cpp's converter reorders the rows of Q and K of `llama` models so that each head's two
 rotary halves are interleaved (its rotation pairs neighbours); `unpermute_rows` puts them back
-in Hugging Face's half-split order, which our rotary embedding uses. `qwen2` and `qwen3` files are
-stored unpermuted (llama.cpp rotates them in the split layout).
+in Hugging Face's half-split order, which our rotary embedding uses. `qwen2`, `qwen3` and `gemma3`
+files are stored unpermuted (llama.cpp rotates them in the split layout).
+
+`gemma3` files store each norm's weight as Gemma computes with it, 1 + w (llama.cpp's converter
+adds the one); `read_gguf` gives back w, which `GemmaRMSNorm` holds. What the file does not say
+is llama.cpp's for the architecture: every sixth layer global and the others sliding
+(`attention.sliding_window`), the sliding layers' rotary base 10000, attention scaled by
+1 / sqrt(head_dim) (by 1 / sqrt(n_embd / n_head) for the 62-layer 27B), no logit soft-cap.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import torch
 
 from model.config import ConfigError, ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gpt2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
+GEMMA3_PATTERN = 6  # llama.cpp's: layer i is global when (i + 1) % 6 == 0
+GEMMA3_LOCAL_THETA = 10_000.0
+GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is not head_dim's
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -97,6 +106,10 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
             raise ConfigError(f"{path.name}: gpt2 with feed_forward_length != 4 * n_embd")
         return ModelConfig(**common, layer_norm_eps=float(field("attention.layer_norm_epsilon")))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or n_embd // n_head)
+    if arch == "gemma3":
+        return _gemma3_config(meta, common, head_dim, field)
+    # a `llama` file of a Mistral with its window keeps it in attention.sliding_window: every layer
+    window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
     return ModelConfig(
         **common,
         n_kv_head=int(field("attention.head_count_kv", n_head)),
@@ -109,6 +122,44 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
         activation="swiglu",
         layer_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        sliding_window=None if window is None else int(window),
+    )
+
+
+def _gemma3_config(
+    meta: dict[str, Any], common: dict[str, Any], head_dim: int, field
+) -> ModelConfig:  # noqa: ANN001
+    """A gemma3 file's config: its keys, and llama.cpp's fixed choices (module docstring)."""
+    n_layer, n_embd, n_head = common["n_layer"], common["n_embd"], common["n_head"]
+    kinds = [
+        "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+        for i in range(n_layer)
+    ]
+    scaling = None
+    kind = meta.get("gemma3.rope.scaling.type")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+    elif kind not in (None, "none"):
+        raise ConfigError(f"gemma3 rope scaling {kind!r} is not supported (only linear)")
+    scalar = n_embd // n_head if n_layer == GEMMA3_27B_LAYERS else head_dim
+    return ModelConfig(
+        **common,
+        n_kv_head=int(field("attention.head_count_kv", n_head)),
+        head_size=None if head_dim * n_head == n_embd else head_dim,
+        bias=False,
+        qk_norm=True,
+        pos_encoding="rotary",
+        norm="gemma_rmsnorm",
+        sandwich_norm=True,
+        activation="geglu",
+        layer_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get("gemma3.rope.freq_base", 1_000_000.0)),
+        rope_scaling=scaling,
+        rope_local_theta=GEMMA3_LOCAL_THETA,
+        sliding_window=int(field("attention.sliding_window")),
+        layer_types=kinds,
+        embed_scale=n_embd**0.5,
+        query_pre_attn_scalar=scalar,
     )
 
 
@@ -124,6 +175,11 @@ _LLAMA_NAMES = {  # GGUF block tensor -> (our module, part of a joined matrix or
     "attn_v": ("attn.c_attn", 2),
     "ffn_gate": ("mlp.c_fc", 0),
     "ffn_up": ("mlp.c_fc", 1),
+}
+_GEMMA3_NAMES = {
+    **_LLAMA_NAMES,
+    "post_attention_norm": ("post_attn_norm", None),
+    "post_ffw_norm": ("post_mlp_norm", None),
 }
 _GPT2_NAMES = {
     "attn_norm": ("ln_1", None),
@@ -150,7 +206,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
     names = {t.name for t in reader.tensors}
     config = _config(meta, names, path)
     arch = meta["general.architecture"]
-    block_names = _GPT2_NAMES if arch == "gpt2" else _LLAMA_NAMES
+    block_names = {"gpt2": _GPT2_NAMES, "gemma3": _GEMMA3_NAMES}.get(arch, _LLAMA_NAMES)
     tensors: dict[str, RawTensor] = {}
     factors = None
     for t in reader.tensors:
@@ -163,6 +219,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGML lists columns first
         raw = RawTensor(np.asarray(t.data), kind, shape, int(t.data_offset))
         stem, _, suffix = t.name.rpartition(".")  # "blk.3.attn_q", "weight"
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            raw = _minus_one(raw)  # the file's 1 + w
         if t.name == "rope_freqs.weight":
             factors = torch.from_numpy(_to_float(raw).copy())
             continue
@@ -181,6 +239,11 @@ def read_gguf(path: str | Path) -> GGUFModel:
         else:
             raise ConfigError(f"{path.name}: unexpected tensor {t.name}")
     return GGUFModel(config, meta, tensors, factors)
+
+
+def _minus_one(raw: RawTensor) -> RawTensor:
+    """A Gemma norm's stored 1 + w as w, float32."""
+    return RawTensor(_to_float(raw) - np.float32(1.0), "F32", raw.shape)
 
 
 def _unpermuted(raw: RawTensor, n_head: int) -> RawTensor:
