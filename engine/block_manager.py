@@ -19,6 +19,16 @@ sequence's cache salt (`reuse_prefix`, `register_full_blocks`) keeps its blocks 
 of every other salt: see `engine.prefix_index`. Shared blocks are read only: a sequence writes
 only into blocks it holds alone, and one that would write into a shared block (the last, partly
 filled block of a prompt that n > 1 completions share) first gets a copy of its own.
+
+Sliding windows: when every layer of the model attends within a window (`window`, the widest of
+them; `kernels.window`), a sequence's blocks whose every token lies before the window of its next
+token (all positions <= seq_len - window) are never read again, and are let go
+(`release_out_of_window`, before each step is planned and prepared): back to the pool, or, when
+keyed, cached for their contents as any released block is. Their table entries stay, as
+`RELEASED`, so every block keeps its place in the table; a step's metadata names block 0 there,
+and attention never reads those entries (it reads the tables trimmed to each layer's window).
+Released entries are never keyed, held, copied or freed again. Where some layer is global
+(`window` None), nothing is released.
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from engine.block_pool import BlockAllocator, OutOfBlocks
 from engine.prefix_index import PrefixIndex, salt_root
 from kernels.metadata import AttentionMetadata
 
-__all__ = ["BlockAllocator", "BlockManager", "OutOfBlocks", "StepBlocks"]
+__all__ = ["RELEASED", "BlockAllocator", "BlockManager", "OutOfBlocks", "StepBlocks"]
+
+RELEASED = -1  # a table entry whose block was let go: out of every layer's window
 
 
 @dataclass(frozen=True)
@@ -54,9 +66,16 @@ class BlockManager:
         device: torch.device | str = "cpu",
         block_order: Sequence[int] | None = None,
         prefix_caching: bool = True,
+        window: int | None = None,
     ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window must be positive or None, got {window}")
         self.device = torch.device(device)  # where a step's metadata goes
         self.block_size = block_size
+        # every layer's window fits in this many tokens (None: some layer is global, or there
+        # are no windows): blocks before it are released
+        self.window = window
+        self._released: dict[int, int] = {}  # seq_id -> leading table entries released
         self.allocator = BlockAllocator(num_blocks, block_order)
         self.prefix_caching = prefix_caching
         self._tables: dict[int, list[int]] = {}
@@ -86,7 +105,30 @@ class BlockManager:
         return self._lens.get(seq_id, 0)
 
     def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's blocks in order; `RELEASED` where one was let go (`window`)."""
         return list(self._tables.get(seq_id, []))
+
+    def num_released(self, seq_id: int) -> int:
+        """Leading blocks of the sequence let go as out of every layer's window."""
+        return self._released.get(seq_id, 0)
+
+    def release_out_of_window(self, seq_id: int) -> int:
+        """Let go of the sequence's blocks that no layer's window will read again: every token
+        in them at or before seq_len - window (its next token, at position seq_len, sees keys
+        after seq_len - window; the block the next token goes to is never one of them). Returns
+        how many were released now; none without a `window`."""
+        table = self._tables.get(seq_id)
+        if self.window is None or not table:
+            return 0
+        dead = min(len(table), max(0, self.seq_len(seq_id) - self.window + 1) // self.block_size)
+        done = self._released.get(seq_id, 0)
+        if dead <= done:
+            return 0
+        gone = table[done:dead]
+        table[done:dead] = [RELEASED] * (dead - done)
+        self._released[seq_id] = dead
+        self.allocator.free(reversed(gone))  # keyed ones stay cached, by their contents
+        return dead - done
 
     def holds(self, seq_id: int) -> bool:
         """Whether the cache has a block table for this sequence."""
@@ -114,9 +156,10 @@ class BlockManager:
             self.index.key_tail(seq_id, self._tables[seq_id], self.seq_len(seq_id))
         blocks = self._tables.pop(seq_id, None)
         self._lens.pop(seq_id, None)
+        done = self._released.pop(seq_id, 0)
         self.index.drop(seq_id)
         if blocks:  # last blocks first: they go out of the cache before the ones they extend
-            self.allocator.free(reversed(blocks))
+            self.allocator.free(reversed(blocks[done:]))
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep only the sequence's first `length` tokens (rejected speculative tokens go)."""
@@ -124,6 +167,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} has {self.seq_len(seq_id)} tokens, not {length}")
         table = self._tables[seq_id]
         keep = -(-length // self.block_size)
+        if keep < self._released.get(seq_id, 0):
+            raise ValueError(f"sequence {seq_id} released the blocks before token {length}")
         self.allocator.free(reversed(table[keep:]))
         del table[keep:]
         self._lens[seq_id] = length
@@ -134,10 +179,13 @@ class BlockManager:
         if dst in self._tables:
             raise ValueError(f"sequence {dst} already has blocks")
         table = self._tables.get(src, [])
-        for block in table:
+        done = self._released.get(src, 0)
+        for block in table[done:]:
             self.allocator.hold(block)
         self._tables[dst] = list(table)
         self._lens[dst] = self._lens.get(src, 0)
+        if done:
+            self._released[dst] = done
         self.index.fork(src, dst)
 
     def reuse_prefix(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> int:
@@ -197,13 +245,18 @@ class BlockManager:
         if not self.prefix_caching:
             return
         table, length = self._tables.get(seq_id, []), self.seq_len(seq_id)
-        self.index.register(seq_id, table, length, token_ids, salt_root(salt))
+        self.index.register(
+            seq_id, table, length, token_ids, salt_root(salt), self._released.get(seq_id, 0)
+        )
 
     def audit(self) -> None:
         """Assert the pool's invariants (reference counts match the tables; see BlockAllocator)."""
-        self.allocator.audit(b for table in self._tables.values() for b in table)
+        self.allocator.audit(b for table in self._tables.values() for b in table if b != RELEASED)
         for seq_id, table in self._tables.items():
             assert len(table) == -(-self.seq_len(seq_id) // self.block_size), "a table is torn"
+            done = self._released.get(seq_id, 0)
+            assert all(b == RELEASED for b in table[:done]), "a released entry names a block"
+            assert RELEASED not in table[done:], "a block was released out of order"
 
     def prepare(self, batch: Sequence[tuple[int, int]]) -> StepBlocks:
         """Reserve room for (seq_id, new_tokens) pairs and describe the step to attention, with
@@ -216,6 +269,8 @@ class BlockManager:
         needed = sum(self.blocks_needed(s, n) for s, n in batch)
         if needed > self.allocator.num_free:
             raise OutOfBlocks(f"batch needs {needed} KV blocks, {self.allocator.num_free} free")
+        for seq_id, _ in batch:  # (before the step's tokens: its next token's window)
+            self.release_out_of_window(seq_id)
         for seq_id, n_new in batch:
             table = self._tables.setdefault(seq_id, [])
             shared = self._shared_tail(seq_id) if n_new else None
@@ -224,13 +279,19 @@ class BlockManager:
             table.extend(self.allocator.allocate(self.blocks_needed(seq_id, n_new)))
             self._lens[seq_id] = self._lens.get(seq_id, 0) + n_new
         meta = AttentionMetadata.build(
-            [self._tables[s] for s, _ in batch],
+            [self._step_table(s) for s, _ in batch],
             [self._lens[s] for s, _ in batch],
             [n for _, n in batch],
             self.block_size,
             self.device,
         )
         return StepBlocks(meta, self.take_copies())
+
+    def _step_table(self, seq_id: int) -> list[int]:
+        """The sequence's table as a step's metadata gets it: block 0 for released entries
+        (never read: attention reads only the blocks of each layer's window)."""
+        table, done = self._tables[seq_id], self._released.get(seq_id, 0)
+        return table if not done else [0] * done + table[done:]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The block copies asked for since they were last taken, in order (and forgets them)."""

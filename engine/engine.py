@@ -106,9 +106,11 @@ class Engine:
             model, num_blocks, config.kv_block_size, dtype=kv_dtype,
             batch_invariant=config.batch_invariant,
         )  # fmt: skip
+        windows = mc.layer_windows()
         self.blocks = BlockManager(
             num_blocks, config.kv_block_size, self.pools.device,
             prefix_caching=config.prefix_caching,
+            window=max(windows) if None not in windows else None,  # all windowed: release
         )  # fmt: skip
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens)
         self.runner = ModelRunner(self.model, self.pools)

@@ -142,9 +142,11 @@ class PrefixIndex:
         seq_len: int,
         token_ids: Sequence[int],
         root: bytes | None = None,
+        released: int = 0,
     ) -> None:
         """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')
-        under its salt's root."""
+        under its salt's root. Its first `released` blocks it no longer holds (out of every
+        layer's window): their keys continue the chain, but no block is keyed by them."""
         keys = self._keys.setdefault(seq_id, [])
         self._set_root(seq_id, root)
         bs = self.block_size
@@ -153,6 +155,8 @@ class PrefixIndex:
             parent = self._parent(seq_id, keys)
             tokens = token_ids[i * bs : (i + 1) * bs]
             keys.append(block_key(parent, tokens))
+            if i < released:  # not ours any more: whatever holds that block now is not this
+                continue
             self.allocator.set_key(table[i], keys[-1])
             self._remember(parent, keys[-1], tokens)
         self._tails[seq_id] = tuple(token_ids[len(keys) * bs : known])

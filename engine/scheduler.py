@@ -61,6 +61,8 @@ class Scheduler:
         """
         guesses = guesses or {}
         preempted: list[Sequence] = []
+        for seq in self.running:  # blocks out of every layer's window go back first
+            self.blocks.release_out_of_window(seq.seq_id)
         while True:
             work = self._plan(guesses)
             needed = sum(self.blocks.blocks_needed(s.seq_id, n) for s, n, _ in work)

@@ -18,6 +18,11 @@ to find its path, and no module-level switch routes calls.
 - `SdpaGatherBackend`: any other device. Token-major pools, each sequence's blocks gathered for
   `scaled_dot_product_attention` (`kernels.sdpa_paged`).
 
+Sliding windows (`kernels.window`): a step's windowed layers read plans of their own, one per
+window, each built by `plan(meta, spec, window)` from the step's metadata trimmed to the blocks
+the window reaches (`KVPools.plan` builds them and picks a layer's); every path masks the keys
+before each query's window within the blocks it reads.
+
 Every pool, whatever its layout, is indexed (n_layer, num_blocks, block_size, n_kv_head,
 head_dim), so the cache copies blocks and writes slots the same way for all of them. A pool holds
 the model's key/value heads only; with grouped-query attention the queries have more heads, and
@@ -65,6 +70,14 @@ class KVSpec:
     dtype: torch.dtype
     device: torch.device
     group: int = 1
+    # each layer's sliding window in tokens, None for a global layer (`kernels.window`); empty:
+    # every layer global
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def distinct_windows(self) -> tuple[int | None, ...]:
+        """The layers' windows, each once, in layer order (None for global layers)."""
+        return tuple(dict.fromkeys(self.windows or (None,)))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -86,8 +99,10 @@ class AttentionBackend(ABC, Generic[PlanT]):
         return tuple(zeroed_pool(spec.shape, spec.dtype, spec.device) for _ in range(2))
 
     @abstractmethod
-    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> PlanT:
-        """What every layer of the step reads, derived from its metadata once."""
+    def plan(self, meta: AttentionMetadata, spec: KVSpec, window: int | None = None) -> PlanT:
+        """What every layer of the step with this sliding `window` reads (None: the global
+        layers), derived from its metadata once; for a window, `meta` is the step's trimmed to
+        the blocks the window reaches (`kernels.window.trim_to_window`)."""
 
     @abstractmethod
     def attend(
@@ -95,7 +110,8 @@ class AttentionBackend(ABC, Generic[PlanT]):
         sm_scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """New tokens' queries (N, H, D) against one layer's pools (num_blocks, block_size,
-        H_kv, D); the contract of `kernels.reference.paged_attention_reference`."""
+        H_kv, D); the contract of `kernels.reference.paged_attention_reference`, with the
+        plan's `window`."""
 
     def write(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -194,12 +210,12 @@ class TritonBackend(AttentionBackend[TritonPlan]):
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return _head_major(spec)
 
-    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> TritonPlan:
+    def plan(self, meta: AttentionMetadata, spec: KVSpec, window: int | None = None) -> TritonPlan:
         from kernels.triton.paged import default_split_size
 
         n_head = spec.n_kv_head * spec.group  # a program per query head
         split = default_split_size(meta, n_head, spec.block_size, spec.device)
-        return TritonPlan(meta, KVWrite.of(meta, spec.block_size), split)
+        return TritonPlan(meta, KVWrite.of(meta, spec.block_size), split, window=window)
 
     def attend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: TritonPlan,
@@ -208,7 +224,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         from kernels.triton import paged
 
         return paged.triton_paged_attention(
-            q, k_pool, v_pool, plan.meta, sm_scale, split_size=plan.split_size
+            q, k_pool, v_pool, plan.meta, sm_scale, split_size=plan.split_size, window=plan.window
         )
 
 
@@ -239,7 +255,11 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     def allocate(self, spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return _head_major(spec)
 
-    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> CpuPagedPlan:
+    def plan(
+        self, meta: AttentionMetadata, spec: KVSpec, window: int | None = None
+    ) -> CpuPagedPlan:
+        """A windowed layer's prefills take gather + SDPA (the cascade's shared blocks are
+        scored unmasked)."""
         n = meta.num_decodes
         if n == meta.num_seqs:
             decodes, rest = meta, None
@@ -249,17 +269,18 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
             decodes, rest = meta.split(n)
         decode = None  # None with decodes: the compiled kernel takes them
         if decodes is not None and self._native() is None:
-            decode = plan_decode(decodes, spec.block_size, spec.n_kv_head)
+            decode = plan_decode(decodes, spec.block_size, spec.n_kv_head, window)
         rest_plan = None
         if rest is not None:
-            if self.cascade:
+            if self.cascade and window is None:
                 rest_plan = plan_cascade(rest, spec.block_size)
             if rest_plan is None or not rest_plan.groups:
                 rest_plan = plan_gather(
-                    rest, spec.block_size, spec.n_kv_head, spec.head_dim, spec.dtype.itemsize
-                )
+                    rest, spec.block_size, spec.n_kv_head, spec.head_dim, spec.dtype.itemsize,
+                    window,
+                )  # fmt: skip
         write = KVWrite.of(meta, spec.block_size)
-        return CpuPagedPlan(meta, write, decodes, decode, rest, rest_plan)
+        return CpuPagedPlan(meta, write, decodes, decode, rest, rest_plan, window=window)
 
     def _native(self):
         """The compiled decode kernel, or None: not wanted or not built."""
@@ -283,7 +304,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
         out = self._native()(  # (n, H, D)
             q, k, v, k_pool, v_pool, plan.write.block, plan.write.offset, meta.block_tables,
-            meta.context_lens, n, scale,
+            meta.context_lens, n, scale, plan.window or 0,
         )  # fmt: skip
         if plan.rest is not None:
             rest = self._rest(q[n:].to(k_pool.dtype), k_pool, v_pool, plan, sm_scale)
@@ -314,7 +335,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         if cos is not None:
             cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, D)
         return native_ops().paged_decode_qkv(
-            qkv, cos, sin, *step, n_head, scale, out_dtype or torch.float32
+            qkv, cos, sin, *step, n_head, scale, out_dtype or torch.float32, plan.window or 0
         )
 
     def has_one_call_step(self, pool_dtype: torch.dtype, plan: CpuPagedPlan) -> bool:
@@ -327,7 +348,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
     def one_call_step(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: CpuPagedPlan
     ) -> tuple[torch.Tensor, ...]:
-        meta = plan.decodes
+        meta = plan.decodes  # trimmed to the window in a windowed layer's plan
         return (k_pool, v_pool, plan.write.block, plan.write.offset, meta.block_tables,
                 meta.context_lens)  # fmt: skip
 
@@ -338,13 +359,13 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         upcast = 0 if self.batch_invariant else UPCAST_ELEMENTS
         if plan.rest is None:
             return decode_attention_cpu(
-                q, k_pool, v_pool, plan.decodes, sm_scale, plan.decode, upcast
+                q, k_pool, v_pool, plan.decodes, sm_scale, plan.decode, upcast, plan.window
             )
         if plan.decodes is None:
             return self._rest(q, k_pool, v_pool, plan, sm_scale)
         n = plan.decodes.num_seqs  # one token each
         first = decode_attention_cpu(
-            q[:n], k_pool, v_pool, plan.decodes, sm_scale, plan.decode, upcast
+            q[:n], k_pool, v_pool, plan.decodes, sm_scale, plan.decode, upcast, plan.window
         )
         return torch.cat([first, self._rest(q[n:], k_pool, v_pool, plan, sm_scale)])
 
@@ -366,10 +387,12 @@ class SdpaGatherPlan(AttentionPlan):
 class SdpaGatherBackend(AttentionBackend[SdpaGatherPlan]):
     """Token-major pools; each sequence's blocks are copied out for SDPA, on any device."""
 
-    def plan(self, meta: AttentionMetadata, spec: KVSpec) -> SdpaGatherPlan:
+    def plan(
+        self, meta: AttentionMetadata, spec: KVSpec, window: int | None = None
+    ) -> SdpaGatherPlan:
         kv_bytes = spec.dtype.itemsize
-        gather = plan_gather(meta, spec.block_size, spec.n_kv_head, spec.head_dim, kv_bytes)
-        return SdpaGatherPlan(meta, KVWrite.of(meta, spec.block_size), gather)
+        gather = plan_gather(meta, spec.block_size, spec.n_kv_head, spec.head_dim, kv_bytes, window)
+        return SdpaGatherPlan(meta, KVWrite.of(meta, spec.block_size), gather, window=window)
 
     def attend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: SdpaGatherPlan,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
 from typing import Protocol
@@ -167,10 +167,21 @@ class AttentionPlan:
 
     Each backend extends it with its own fields (`kernels.backends`); a plan belongs to the
     backend that built it and to its step.
+
+    window: the sliding window this plan's layers attend within (None: the whole context); its
+    `meta` then is the step's trimmed to the blocks the window reaches (`kernels.window`).
+    windows: the step's plans for its windowed layers, by window, filled by the cache that built
+    this one (`kernels.paged_kv.KVPools.plan`); `for_window` picks a layer's.
     """
 
     meta: AttentionMetadata
     write: KVWrite
+    window: int | None = field(default=None, kw_only=True)
+    windows: dict[int, AttentionPlan] = field(default_factory=dict, kw_only=True, repr=False)
+
+    def for_window(self, window: int | None) -> AttentionPlan:
+        """The plan a layer with this `window` reads (this one for a global layer)."""
+        return self if window is None else self.windows[window]
 
 
 class PagedKV(Protocol):
@@ -182,6 +193,10 @@ class PagedKV(Protocol):
     `one_call_step`)."""
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan: ...
+
+    def window(self, layer: int) -> int | None:
+        """`layer`'s sliding window in tokens (`kernels.window`), None for a global layer."""
+        ...
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan

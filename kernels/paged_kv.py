@@ -9,6 +9,11 @@ bookkeeping is the engine's (`engine.block_manager`), which hands each step its
 it, one of the declared one-call paths (`has_qkv_path` -> `attend_qkv`, `has_one_call_step` ->
 `one_call_step`). The pools hold the model's key/value heads only: with grouped-query attention,
 `group` query heads read each of them (`kernels.gqa`).
+
+Each layer may have a sliding window (`windows`, `kernels.window`): `plan(meta)` then also plans
+each distinct window once, from the step's metadata trimmed to the blocks that window reaches,
+and every per-layer call reads its layer's plan (`AttentionPlan.for_window`), so no windowed
+layer reads a block before its window.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from kernels.backends import NARROWER_POOLS, AttentionBackend, KVSpec, select_attention_backend
 from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
+from kernels.window import check_window, trim_to_window
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # cos, signed sin (N, 1, D); None: no rotary
 
@@ -51,11 +57,19 @@ class KVPools:
         backend: AttentionBackend | None = None,
         group: int = 1,
         batch_invariant: bool = False,
+        windows: tuple[int | None, ...] | None = None,
     ) -> None:
         self.device = torch.device(device)
+        windows = (None,) * n_layer if windows is None else tuple(windows)
+        if len(windows) != n_layer:
+            raise ValueError(f"windows names {len(windows)} layers, the pools have {n_layer}")
+        for window in windows:
+            check_window(window)
+        self.windows = windows  # each layer's sliding window, None for a global layer
         self.spec = KVSpec(
-            n_layer, num_blocks, block_size, n_kv_head, head_dim, dtype, self.device, group
-        )
+            n_layer, num_blocks, block_size, n_kv_head, head_dim, dtype, self.device, group,
+            windows,
+        )  # fmt: skip
         self.backend = backend or select_attention_backend(self.device, dtype, batch_invariant)
         self.k, self.v = self.backend.allocate(self.spec)
         # each layer's pools as views made once: indexing self.k per layer and step costs more
@@ -73,14 +87,15 @@ class KVPools:
         backend: AttentionBackend | None = None,
         batch_invariant: bool = False,
     ) -> KVPools:
-        """Pools shaped for `model` (its config's layers and key/value heads), on its device and
-        dtype unless given."""
+        """Pools shaped for `model` (its config's layers, key/value heads and each layer's sliding
+        window), on its device and dtype unless given."""
         p = next(model.parameters())
         c = model.config
         return cls(
             c.n_layer, c.kv_heads, c.head_dim, num_blocks, block_size,
             device=device or p.device, dtype=dtype or p.dtype, backend=backend,
             group=c.n_head // c.kv_heads, batch_invariant=batch_invariant,
+            windows=c.layer_windows(),
         )  # fmt: skip
 
     @staticmethod
@@ -109,15 +124,32 @@ class KVPools:
     # ---- a step's attention ----------------------------------------------------------------
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan:
-        """The backend's plan of the step `meta` describes, for every layer of the step."""
-        return self.backend.plan(meta, self.spec)
+        """The backend's plan of the step `meta` describes, for every layer of the step: the
+        global layers' plan, holding one per window of the windowed layers (`windows`); where
+        every layer is windowed, the first window's (no plan reads the whole tables then: the
+        engine may have freed the blocks before every window)."""
+        plans = {}
+        for window in self.spec.distinct_windows:
+            if window is None:
+                plans[None] = self.backend.plan(meta, self.spec)
+            else:
+                trimmed = trim_to_window(meta, window, self.block_size)
+                plans[window] = self.backend.plan(trimmed, self.spec, window)
+        main = plans[None] if None in plans else next(iter(plans.values()))
+        main.windows.update((w, p) for w, p in plans.items() if w is not None)
+        return main
+
+    def window(self, layer: int) -> int | None:
+        """`layer`'s sliding window in tokens, None for a global layer."""
+        return self.windows[layer]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
         """Store one layer's new keys/values (N, H_kv, D) at the step's slots, then attend the
         new tokens' queries (N, H, D) over their sequences' cache: (N, H, D)."""
-        return self.backend.forward(q, k, v, *self._layers[layer], plan)
+        step = plan.for_window(self.windows[layer])
+        return self.backend.forward(q, k, v, *self._layers[layer], step)
 
     def has_qkv_path(
         self, plan: AttentionPlan, qkv_dtype: torch.dtype, rope_dtype: torch.dtype | None
@@ -134,8 +166,9 @@ class KVPools:
         rotary cos, sin (N, 1, D): the rotation, the writes and the attention, (N, H, D) in
         `out_dtype` (None: float32). Only where `has_qkv_path` says so."""
         cos, sin = rope if rope is not None else (None, None)
+        step = plan.for_window(self.windows[layer])
         return self.backend.forward_qkv(
-            qkv, cos, sin, *self._layers[layer], plan, n_head, out_dtype
+            qkv, cos, sin, *self._layers[layer], step, n_head, out_dtype
         )
 
     def has_one_call_step(self, plan: AttentionPlan) -> bool:
@@ -144,9 +177,11 @@ class KVPools:
 
     def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...]:
         """One layer's pools and this step's slots, tables and context lengths, as the compiled
-        one-call decode takes them (`model.cpu.decode_layer`). Only where `has_one_call_step`
-        says so."""
-        return self.backend.one_call_step(*self._layers[layer], plan)
+        one-call decode takes them (`model.cpu.decode_layer`), the tables and lengths trimmed to
+        the layer's window where it has one (the call takes `window(layer)` too). Only where
+        `has_one_call_step` says so."""
+        step = plan.for_window(self.windows[layer])
+        return self.backend.one_call_step(*self._layers[layer], step)
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys/values (N, H_kv, D) at the step's slots."""

@@ -16,14 +16,17 @@ import torch
 
 from kernels.gqa import kv_group
 from kernels.metadata import AttentionMetadata
+from kernels.window import check_window
 
 
 def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-    sm_scale: float | None = None,
+    sm_scale: float | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * scale) v with q (B, H, Tq, D), k and v (B, H_kv, Tk, D); causal masks
-    are bottom-right aligned."""
+    are bottom-right aligned. `window` (causal only): query i (at key position p) sees the keys
+    j with p - window < j <= p, Hugging Face's `sliding_window`; None: every earlier key."""
+    check_window(window, causal)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     group = kv_group(q.shape[-3], k.shape[-3])
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)  # (B, H, Tk, D)
@@ -32,14 +35,17 @@ def attention_reference(
         tq, tk = q.shape[-2], k.shape[-2]
         qpos = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
         kpos = torch.arange(tk, device=q.device)[None, :]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        hidden = kpos > qpos
+        if window is not None:
+            hidden = hidden | (kpos <= qpos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    sm_scale: float | None = None,
+    sm_scale: float | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of packed new tokens against each sequence's paged keys and values.
 
@@ -67,9 +73,6 @@ def paged_attention_reference(
     values = v_cache[tables].flatten(1, 2).repeat_interleave(group, dim=2).float()
     kpos = torch.arange(n_blocks * block_size, device=device)  # (Lk,)
     key_valid = kpos[None, :] < ctx[:, None]  # (B, Lk)
-    # unused slots may hold anything (even NaN): zero them so 0 * garbage cannot poison the sum
-    values = values.masked_fill(~key_valid[:, :, None, None], 0.0)
-
     qi = torch.arange(max_q, device=device)  # (Lq,)
     q_valid = qi[None, :] < q_lens[:, None]  # (B, Lq)
     q_index = (query_start[:-1].long()[:, None] + qi[None, :]).clamp(max=n_tokens - 1)
@@ -78,6 +81,12 @@ def paged_attention_reference(
 
     scores = torch.einsum("bqhd,bkhd->bhqk", q_pad, keys) * scale  # (B, H, Lq, Lk)
     allowed = (kpos[None, None, :] <= qpos[:, :, None]) & key_valid[:, None, :]  # (B, Lq, Lk)
+    if window is not None:
+        allowed = allowed & (kpos[None, None, :] > qpos[:, :, None] - window)
+    # slots no query sees may hold anything (even NaN): zero them so 0 * garbage cannot poison
+    # the sum
+    seen = (allowed & q_valid[:, :, None]).any(1)  # (B, Lk)
+    values = values.masked_fill(~seen[:, :, None, None], 0.0)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, values)  # (B, Lq, H, D)

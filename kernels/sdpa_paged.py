@@ -52,10 +52,13 @@ class GatherPlan:
 
 
 def plan_gather(
-    meta: AttentionMetadata, block_size: int, n_kv_head: int, head_dim: int, kv_bytes: int
-) -> GatherPlan:
+    meta: AttentionMetadata, block_size: int, n_kv_head: int, head_dim: int, kv_bytes: int,
+    window: int | None = None,
+) -> GatherPlan:  # fmt: skip
     """The groups, copies and masks of a step over pools of `block_size`-slot blocks holding
-    `n_kv_head` key/value heads of `head_dim` elements of `kv_bytes` bytes each."""
+    `n_kv_head` key/value heads of `head_dim` elements of `kv_bytes` bytes each; with a
+    sliding `window` each query sees only its last `window` keys (give it the metadata trimmed
+    to the window, `kernels.window.trim_to_window`, so that no block before it is copied)."""
     block_tables, context_lens, query_start = meta.block_tables, meta.context_lens, meta.query_start
     n_tokens = meta.num_tokens
     device = block_tables.device
@@ -81,6 +84,8 @@ def plan_gather(
         out_rows = qi[None, :] < q_lens[:, None]
     qpos = ctx[:, None] - q_lens[:, None] + qi[None, :]  # (B, Lq) absolute positions
     allowed = (kpos[None, None, :] <= qpos[:, :, None]) & key_valid[:, None, :]  # (B, Lq, Lk)
+    if window is not None:
+        allowed &= kpos[None, None, :] > qpos[:, :, None] - window
 
     per_seq = 2 * n_keys * n_kv_head * head_dim * kv_bytes
     size = max(1, GROUP_BYTES // per_seq) if device.type == "cpu" else batch  # caches are CPU's
@@ -138,17 +143,18 @@ def _attend_group(
 
 def paged_attention_sdpa(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    sm_scale: float | None = None, plan: GatherPlan | None = None,
+    sm_scale: float | None = None, plan: GatherPlan | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """(N, H, D) new tokens against paged K/V of H_kv heads (H a multiple); returns (N, H, D).
 
     `plan` is the step's `plan_gather(meta, ...)`, which every layer shares; without it, one is
-    built for this call.
+    built for this call, with `window` (with a plan, the plan's window holds).
     """
     kv_group(q.shape[1], k_cache.shape[2])  # a clear error for heads that do not divide
     if plan is None:
         block_size, n_kv_head, head_dim = k_cache.shape[1:]
-        plan = plan_gather(meta, block_size, n_kv_head, head_dim, k_cache.element_size())
+        kv_bytes = k_cache.element_size()
+        plan = plan_gather(meta, block_size, n_kv_head, head_dim, kv_bytes, window)
     parts = [
         _attend_group(q, k_cache, v_cache, g, plan.keys_per_seq, sm_scale) for g in plan.groups
     ]

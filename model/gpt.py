@@ -56,10 +56,13 @@ def _submodules(module: nn.Module, *names: str) -> tuple[nn.Module, ...]:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer)."""
+    """Multi-head attention with n_kv_head key/value heads (grouped-query when fewer); `window`:
+    each query sees only itself and the window - 1 tokens before it (sliding-window attention,
+    `kernels.window`). The cached forward takes each layer's window from the cache's pools."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.n_head = config.n_head
         self.n_kv_head = config.kv_heads
         self.head_dim = config.head_dim
@@ -94,7 +97,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, rope))  # (B, heads, T, hs)
-        y = flash_attention(q, k, v, causal=True)  # (B, nh, T, hs); KV head h // group for head h
+        # (B, nh, T, hs); KV head h // group for head h
+        if self.window is None:  # (a global layer's call, as before windows)
+            y = flash_attention(q, k, v, causal=True)
+        else:
+            y = flash_attention(q, k, v, causal=True, window=self.window)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -140,11 +147,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.pre_norm = config.norm_position == "pre"
         self.ln_1 = _norm(config, config.n_embd)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, window)
         self.ln_2 = _norm(config, config.n_embd)
         self.mlp = MLP(config)
 
@@ -174,7 +181,7 @@ class GPT(nn.Module):
         layers = dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            h=nn.ModuleList(Block(config, window) for window in config.layer_windows()),
         )
         if config.pos_encoding == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)

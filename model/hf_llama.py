@@ -54,16 +54,30 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
 
+def _windows(arch: str, raw: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as transformers applies them: Mistral's `sliding_window`
+    on every layer (or on those `layer_types` names); Qwen2's and Qwen3's only with
+    `use_sliding_window`, on the layers from `max_window_layers` on unless `layer_types` says."""
+    if arch == "MistralForCausalLM":
+        window = raw.get("sliding_window")
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+        window = raw.get("sliding_window")
+        if window is not None and not raw.get("layer_types"):
+            first = raw.get("max_window_layers", raw["num_hidden_layers"])
+            kinds = ["sliding_attention" if i >= first else "full_attention"
+                     for i in range(raw["num_hidden_layers"])]  # fmt: skip
+            return window, kinds
+    else:
+        return None, None
+    if window is None:
+        return None, None
+    return window, raw.get("layer_types") or None
+
+
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     """A ModelConfig for a Llama-family config.json; one clear error for what is not supported."""
     arch = architecture(raw)
-    if arch == "MistralForCausalLM" and raw.get("sliding_window") is not None:
-        raise ConfigError(
-            "Mistral with a sliding_window is not supported (set it to null for full attention); "
-            f"supported: {', '.join(SUPPORTED)}"
-        )
-    if raw.get("use_sliding_window"):
-        raise ConfigError("use_sliding_window true is not supported")
+    window, layer_types = _windows(arch, raw)
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias true is not supported")
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
@@ -91,6 +105,8 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
+        sliding_window=window,
+        layer_types=layer_types,
         tokenizer="hf",
     )
 

@@ -101,9 +101,13 @@ def _holder_rank(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return rank, distinct, counts
 
 
-def plan_decode(meta: AttentionMetadata, bs: int, n_kv_head: int) -> DecodePlan:
+def plan_decode(
+    meta: AttentionMetadata, bs: int, n_kv_head: int, window: int | None = None
+) -> DecodePlan:
     """The rows, runs, masks and stale slots of a decode step over pools of `bs`-slot blocks and
-    `n_kv_head` key/value heads; raises ValueError for a batch this path does not cover."""
+    `n_kv_head` key/value heads; raises ValueError for a batch this path does not cover. With a
+    sliding `window` each query sees only its sequence's last `window` keys; give it the metadata
+    trimmed to the window (`kernels.window.trim_to_window`), so that no block before is read."""
     if not meta.is_decode:
         raise ValueError("decode_attention_cpu takes decode steps over head-major pools")
     block_tables = meta.block_tables
@@ -152,6 +156,8 @@ def plan_decode(meta: AttentionMetadata, bs: int, n_kv_head: int) -> DecodePlan:
     row_first.index_copy_(0, row, first_key)  # holes start past any context: fully masked
     slot = row_first[:, None] + torch.arange(bs, device=device)[None, :]  # (R, bs) positions
     masked = slot >= ctx[row_seq][:, None]  # (R, bs)
+    if window is not None:  # the query at ctx - 1 sees keys from ctx - window on
+        masked |= slot < (ctx[row_seq] - window)[:, None]
 
     seq_rows = torch.full((batch, width), n_rows, dtype=torch.long, device=device)
     seq_rows[used] = row
@@ -187,7 +193,7 @@ def is_head_major(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     sm_scale: float | None = None, plan: DecodePlan | None = None,
-    upcast_elements: int = UPCAST_ELEMENTS,
+    upcast_elements: int = UPCAST_ELEMENTS, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """(B, H, D) decode queries against head-major paged K/V of H_kv heads (`is_head_major`;
     H a multiple of H_kv).
@@ -197,7 +203,7 @@ def decode_attention_cpu(
 
     Same contract as `kernels.reference.paged_attention_reference`, for a decode step: every
     sequence has exactly one new token. `plan` is the step's `plan_decode(meta, ...)`, which
-    every layer shares; without it, one is built for this call.
+    every layer shares; without it, one is built for this call, with `window`.
     """
     k_tiles, v_tiles = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (NB, H_kv, bs, D)
     if not (k_tiles.is_contiguous() and v_tiles.is_contiguous()):  # `is_head_major`
@@ -207,7 +213,7 @@ def decode_attention_cpu(
     n_head = q.shape[1]
     group = kv_group(n_head, n_kv)  # G: the query heads of one KV head are one product's rows
     if plan is None:
-        plan = plan_decode(meta, bs, n_kv)
+        plan = plan_decode(meta, bs, n_kv, window)
     if plan.stale is not None:
         v_tiles.view(-1, head_dim).index_fill_(0, plan.stale, 0)
     keys, values = _read(k_tiles, v_tiles, plan.run, plan.blocks)  # (R0, H_kv, bs, D)

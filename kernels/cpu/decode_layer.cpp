@@ -30,29 +30,30 @@ at::Tensor tiled_product(const at::Tensor& x, const at::Tensor& tiles, const Bia
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& write_block, const at::Tensor& write_offset,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_head,
-                  double scale) {
+                  double scale, int64_t window) {
   using Signature = at::Tensor(const at::Tensor&, const Bias&, const Bias&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, int64_t, double,
-                               at::ScalarType);
+                               at::ScalarType, int64_t);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("gptserve_cpu::paged_decode_qkv", "")
                              .typed<Signature>();
   return op.call(qkv, std::nullopt, std::nullopt, k_pool, v_pool, write_block, write_offset,
-                 block_tables, context_lens, n_head, scale, at::kFloat);
+                 block_tables, context_lens, n_head, scale, at::kFloat, window);
 }
 
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's weight and bias, then
 // ln_2's; tiles, biases and widths (their outputs): c_attn, attn's c_proj, c_fc (through
 // `activation`), mlp's c_proj (f32_matmul's tiles, float32 biases or none). The pools and step
-// tensors are paged_decode_qkv's. Returns x after the layer, (N, C).
+// tensors are paged_decode_qkv's, and so is `window` (0: none; else each row's query sees only its
+// last `window` keys). Returns x after the layer, (N, C).
 at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList tiles,
                         const c10::List<std::optional<at::Tensor>>& biases,
                         at::IntArrayRef widths, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& write_block,
                         const at::Tensor& write_offset, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t n_head, double eps,
-                        int64_t activation) {
+                        int64_t activation, int64_t window) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be (N, C) float32 on the CPU");
   TORCH_CHECK(norms.size() == 4 && tiles.size() == 4 && biases.size() == 4 && widths.size() == 4,
@@ -65,7 +66,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   at::Tensor h = at::layer_norm(x, shape, norms[0], norms[1], eps);
   at::Tensor qkv = tiled_product(h, tiles[0], biases.get(0), widths[0], 0);
   at::Tensor y = attend(qkv, k_pool, v_pool, write_block, write_offset, block_tables,
-                        context_lens, n_head, std::pow(static_cast<double>(dim), -0.5));
+                        context_lens, n_head, std::pow(static_cast<double>(dim), -0.5), window);
   at::Tensor out = at::add(x, tiled_product(y.view({n, width}), tiles[1], biases.get(1), width, 0));
   h = at::layer_norm(out, shape, norms[2], norms[3], eps);
   h = tiled_product(h, tiles[2], biases.get(2), widths[2], activation);
@@ -78,7 +79,7 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
   m.def(
       "decode_layer(Tensor x, Tensor[] norms, Tensor[] tiles, Tensor?[] biases, int[] widths, "
       "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_block, Tensor write_offset, "
-      "Tensor block_tables, Tensor context_lens, int n_head, float eps, int activation) "
-      "-> Tensor");
+      "Tensor block_tables, Tensor context_lens, int n_head, float eps, int activation, "
+      "int window=0) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

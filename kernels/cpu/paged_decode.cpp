@@ -10,6 +10,11 @@
 // and sum the values, all in float32, the same arithmetic whatever the run, so a sequence's
 // result does not depend on the rest of the batch, the threads or where its blocks lie, to the
 // bit.
+//
+// A sliding window (`window` > 0, kernels/window.py) lets a sequence's query, at position
+// ctx - 1, see only the keys from ctx - window on: blocks wholly before that key are never read
+// (their table entries may name blocks the engine has freed), and the keys before it in its
+// block get no weight.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -244,7 +249,7 @@ void write_new(const at::Tensor& x, const at::Tensor& pool, const int64_t* block
 template <typename Q, typename T, typename O>  // queries of Q, pools of T, outputs of O
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
             const int32_t* tables, int64_t table_width, const int32_t* ctx_lens, int64_t n_seq,
-            double scale, at::Tensor& out) {
+            double scale, int64_t window, at::Tensor& out) {
   const int64_t n_head = q.size(1), dim = q.size(2);
   const int64_t n_kv = k_pool.size(2), bs = k_pool.size(1);
   const int64_t group = n_head / n_kv;
@@ -255,7 +260,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t kb = k_pool.stride(0), ks = k_pool.stride(1), kh = k_pool.stride(2);
   const int64_t vb = v_pool.stride(0), vs = v_pool.stride(1), vh = v_pool.stride(2);
   int64_t work = 0;  // (`check_step` has checked every context and table entry read below)
-  for (int64_t b = 0; b < n_seq; ++b) work += int64_t(ctx_lens[b]) * n_head * dim;
+  for (int64_t b = 0; b < n_seq; ++b) {
+    const int64_t ctx = ctx_lens[b];
+    work += (window > 0 ? std::min(ctx, window) : ctx) * n_head * dim;
+  }
   // A task is a sequence's run of `span` KV heads: it reads each block's rows of those heads
   // in memory order (the whole block when every head is one task's, as with many sequences).
   // Runs are split only as far as the threads need work.
@@ -276,13 +284,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       const int64_t b = task / per_seq, h0 = task % per_seq * span;
       const int64_t h1 = std::min(n_kv, h0 + span), heads = (h1 - h0) * group;
       const int64_t ctx = ctx_lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // first key seen
+      const int64_t first = lo / bs * bs;  // its block's first slot: blocks before it unread
       const int32_t* table = tables + b * table_width;
       for (int64_t j = 0; j < heads; ++j) {  // query heads h0 * group ... h1 * group - 1
         const Q* src = qp + b * q.stride(0) + (h0 * group + j) * q.stride(1);
         for (int64_t d = 0; d < dim; ++d) qf[j * dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      scores.resize(heads * ctx);  // (heads, ctx)
-      for (int64_t start = 0; start < ctx; start += bs) {
+      scores.resize(heads * ctx);  // (heads, ctx), keys [first, ctx) filled
+      for (int64_t start = first; start < ctx; start += bs) {
         const T* block = kp + int64_t(table[start / bs]) * kb;
         const int64_t n = std::min(bs, ctx - start);
         // the next block's rows of head h are asked for while head h of this one computes
@@ -311,12 +321,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       }
       for (int64_t r = 0; r < heads; ++r) {  // softmax numerators; the sum divides at the end
         float* row = &scores[r * ctx];
-        const float top = *std::max_element(row, row + ctx);
-        for (int64_t t = 0; t < ctx; ++t) row[t] = fast_exp(row[t] - top);
-        qf[r * dim] = 1.f / sum(row, ctx);  // the query is spent: its first slot keeps 1 / sum
+        const float top = *std::max_element(row + lo, row + ctx);
+        for (int64_t t = lo; t < ctx; ++t) row[t] = fast_exp(row[t] - top);
+        std::fill(row + first, row + lo, 0.f);  // before the window: no weight
+        qf[r * dim] = 1.f / sum(row + lo, ctx - lo);  // the query is spent: its slot keeps 1 / sum
       }
       std::fill(acc.begin(), acc.begin() + heads * dim, 0.f);
-      for (int64_t start = 0; start < ctx; start += bs) {
+      for (int64_t start = first; start < ctx; start += bs) {
         const T* block = vp + int64_t(table[start / bs]) * vb;
         const int64_t n = std::min(bs, ctx - start);
         const T* next = start + bs < ctx ? vp + int64_t(table[start / bs + 1]) * vb : nullptr;
@@ -363,20 +374,23 @@ void write_then_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& k_pool, const at::Tensor& v_pool,
                        const at::Tensor& write_block, const at::Tensor& write_offset,
                        const at::Tensor& block_tables, const at::Tensor& context_lens,
-                       int64_t n_seq, double scale, at::Tensor& out) {
+                       int64_t n_seq, double scale, int64_t window, at::Tensor& out) {
   const int64_t* block = write_block.data_ptr<int64_t>();
   const int64_t* offset = write_offset.data_ptr<int64_t>();
   write_new<S, T>(k, k_pool, block, offset);
   write_new<S, T>(v, v_pool, block, offset);
   attend<S, T, O>(q, k_pool, v_pool, block_tables.data_ptr<int32_t>(), block_tables.size(1),
-                  context_lens.data_ptr<int32_t>(), n_seq, scale, out);
+                  context_lens.data_ptr<int32_t>(), n_seq, scale, window, out);
 }
 
 // the step's slots, (n_tokens,) int64 blocks and offsets, and the tables (B, nb) and context
-// lengths (B,) int32 of its sequences, the first n_seq of them decoding
+// lengths (B,) int32 of its sequences, the first n_seq of them decoding (with a `window` > 0 the
+// table entries before each one's window are not read, and not checked)
 void check_step(const at::Tensor& k_pool, const at::Tensor& v_pool,
                 const at::Tensor& write_block, const at::Tensor& write_offset, int64_t n_tokens,
-                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_seq) {
+                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_seq,
+                int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() &&
                   v_pool.scalar_type() == k_pool.scalar_type() && k_pool.stride(-1) == 1 &&
                   v_pool.stride(-1) == 1,
@@ -403,7 +417,8 @@ void check_step(const at::Tensor& k_pool, const at::Tensor& v_pool,
   for (int64_t b = 0; b < n_seq; ++b) {  // what the attention will read, before anything is written
     const int64_t ctx = ctx_lens[b];
     TORCH_CHECK(ctx > 0 && ctx <= width * slots, "a context length outside its block table");
-    for (int64_t j = 0; j < (ctx + slots - 1) / slots; ++j) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+    for (int64_t j = lo / slots; j < (ctx + slots - 1) / slots; ++j) {
       const int64_t entry = tables[b * width + j];
       TORCH_CHECK(entry >= 0 && entry < n_blocks, "a block table names a block past the pool");
     }
@@ -413,12 +428,13 @@ void check_step(const at::Tensor& k_pool, const at::Tensor& v_pool,
 // q (N, H, D); k, v (N, H_kv, D): the step's new tokens, the first n_decode of them one per
 // decoding sequence. Writes k, v at (write_block, write_offset) (N,) int64, then returns
 // (n_decode, H, D): each decoding sequence's attention over block_tables (B, nb) int32 and
-// context_lens (B,) int32 (its first n_decode rows are those sequences).
+// context_lens (B,) int32 (its first n_decode rows are those sequences); `window` > 0: each
+// sees only its last `window` keys.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& write_block, const at::Tensor& write_offset,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        int64_t n_decode, double scale) {
+                        int64_t n_decode, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (N, heads, D)");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "pools must be (blocks, slots, H_kv, D)");
   const at::ScalarType dtype = q.scalar_type(), pool_dtype = k_pool.scalar_type();
@@ -439,20 +455,20 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                   q.size(2) == k_pool.size(3),
               "q (N, H, D), k and v (N, H_kv, D) must fit each other and the pools");
   check_step(k_pool, v_pool, write_block, write_offset, k.size(0), block_tables, context_lens,
-             n_decode);
+             n_decode, window);
   at::Tensor out = at::empty({n_decode, q.size(1), q.size(2)}, q.options());
   if (narrower) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(pool_dtype, "paged_decode_narrower", [&] {
       write_then_attend<float, scalar_t, float>(q, k, v, k_pool, v_pool, write_block,
                                                 write_offset, block_tables, context_lens,
-                                                n_decode, scale, out);
+                                                n_decode, scale, window, out);
     });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode", [&] {
     write_then_attend<scalar_t, scalar_t, scalar_t>(q, k, v, k_pool, v_pool, write_block,
                                                     write_offset, block_tables, context_lens,
-                                                    n_decode, scale, out);
+                                                    n_decode, scale, window, out);
   });
   return out;
 }
@@ -484,13 +500,14 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(const In* x, const 
 // float32, writes k and v to the pools at (write_block, write_offset) (float32 pools as they
 // are; float16 or bfloat16 pools, the KV cache's dtype, rounded to it), attends with the query in
 // float32, and returns (N, H, D) in out_dtype (the dtype of the product that follows): what the
-// PyTorch steps between the two products computed, in one call.
+// PyTorch steps between the two products computed, in one call. `window`: paged_decode's.
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tensor>& cos,
                             const std::optional<at::Tensor>& sin,
                             const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& write_block, const at::Tensor& write_offset,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t n_head, double scale, at::ScalarType out_dtype) {
+                            int64_t n_head, double scale, at::ScalarType out_dtype,
+                            int64_t window) {
   const at::ScalarType pool_dtype = k_pool.scalar_type();
   TORCH_CHECK((pool_dtype == at::kFloat || pool_dtype == at::kHalf ||
                pool_dtype == at::kBFloat16) &&
@@ -508,7 +525,7 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tenso
                    cos->is_contiguous() && sin->is_contiguous() && cos->numel() == n * dim &&
                    sin->numel() == n * dim),
               "cos and sin must be contiguous float32 (N, D)");
-  check_step(k_pool, v_pool, write_block, write_offset, n, block_tables, context_lens, n);
+  check_step(k_pool, v_pool, write_block, write_offset, n, block_tables, context_lens, n, window);
   const auto f32 = qkv.options().dtype(at::kFloat);
   at::Tensor q = at::empty({n, n_head, dim}, f32);
   at::Tensor k = at::empty({n, n_kv, dim}, f32);
@@ -537,7 +554,7 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tenso
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "paged_decode_qkv_out", [&] {
       write_then_attend<float, pool_t, scalar_t>(q, k, v, k_pool, v_pool, write_block,
                                                  write_offset, block_tables, context_lens, n,
-                                                 scale, out);
+                                                 scale, window, out);
     });
   });
   return out;
@@ -549,11 +566,11 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
       "Tensor write_block, Tensor write_offset, Tensor block_tables, Tensor context_lens, "
-      "int n_decode, float scale) -> Tensor");
+      "int n_decode, float scale, int window=0) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
   m.def(
       "paged_decode_qkv(Tensor qkv, Tensor? cos, Tensor? sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
       "Tensor write_block, Tensor write_offset, Tensor block_tables, Tensor context_lens, "
-      "int n_head, float scale, ScalarType out_dtype) -> Tensor");
+      "int n_head, float scale, ScalarType out_dtype, int window=0) -> Tensor");
   m.impl("paged_decode_qkv", c10::DispatchKey::CPU, &paged_decode_qkv);
 }

@@ -6,7 +6,10 @@ key/value head h // GROUP, a compile-time constant (group 1 compiles to plain mu
 attention). One program owns BLOCK_M queries of one (batch, head) and walks over key blocks with
 the online softmax of `kernels.triton.softmax`. The causal mask is bottom-right aligned (query i sees keys
 0 .. i + Tk - Tq). Each loop over tiles runs in two passes: tiles wholly below the diagonal with
-no mask, and the tiles that touch it with one; tiles wholly above it are never visited.
+no mask, and the tiles that touch it with one; tiles wholly above it are never visited. With a
+sliding window (WINDOWED, `kernels.window`: query position p sees keys p - WINDOW < j <= p) the
+tiles wholly before the block's first window are never visited either, and every tile visited
+takes the mask.
 
 The forward stores the log-sum-exp of every row (base 2, scores pre-multiplied by log2(e)) so the
 backward can rebuild the probabilities without a second softmax pass:
@@ -34,6 +37,7 @@ from kernels.triton.softmax import (
     softmax_init,
     softmax_update,
 )
+from kernels.window import check_window
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
 
@@ -61,9 +65,18 @@ def _query_block(CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _key_passes(start_m, TQ, TK, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N):
-    """(n_full, end) for query rows start_m ..: keys [0, n_full) need no mask, [n_full, end) do."""
+def _key_passes(
+    start_m, TQ, TK, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N, WINDOWED: tl.constexpr,
+    WINDOW,
+):  # fmt: skip
+    """(lo, n_full, end) for query rows start_m ..: keys [lo, n_full) need no mask, [n_full, end)
+    do, keys before lo are in no row's window."""
     full_tk = (TK // BLOCK_N) * BLOCK_N  # keys in whole blocks
+    if WINDOWED:  # causal too: from the first row's window's first key's tile, all masked
+        shift = TK - TQ
+        lo = tl.maximum(start_m + shift - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(TK, tl.minimum(start_m + BLOCK_M, TQ) + shift)
+        return lo, lo, end
     if CAUSAL:
         shift = TK - TQ  # bottom-right alignment: query row i sits at key position i + shift
         # blocks whose every key is <= the first query's position need no mask
@@ -73,7 +86,7 @@ def _key_passes(start_m, TQ, TK, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
     else:
         n_full = full_tk
         end = TK
-    return n_full, end
+    return 0, n_full, end
 
 
 @triton.jit
@@ -85,7 +98,8 @@ def _flash_fwd_kernel(
     stride_ob, stride_oh, stride_ot, stride_od,
     H, TQ, TK, qk_scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, GROUP: tl.constexpr, WINDOWED: tl.constexpr,
+    WINDOW,
 ):  # fmt: skip
     start_m = _query_block(CAUSAL, BLOCK_M)
     bh, b, h = _program_head(H)
@@ -103,11 +117,11 @@ def _flash_fwd_kernel(
     kt_ptrs = _tile(K + b * stride_kb + kv_h * stride_kh, offs_d, offs_n, stride_kd, stride_kt)
     v_ptrs = _tile(V + b * stride_vb + kv_h * stride_vh, offs_n, offs_d, stride_vt, stride_vd)
     q_pos = offs_m + TK - TQ  # (BLOCK_M,) key position of each query (bottom-right aligned)
-    n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED, WINDOW)
 
     acc, l_i, m_i = softmax_init(BLOCK_M, BLOCK_D)
     for MASKED in tl.static_range(2):
-        first, last = (n_full, end) if MASKED else (0, n_full)
+        first, last = (n_full, end) if MASKED else (lo, n_full)
         for start_n in range(first, last, BLOCK_N):
             kn = start_n + offs_n  # (BLOCK_N,) key positions
             kv_ok = kn < TK
@@ -119,6 +133,8 @@ def _flash_fwd_kernel(
                 ok = kv_ok[None, :]
                 if CAUSAL:
                     ok = ok & (kn[None, :] <= q_pos[:, None])
+                if WINDOWED:
+                    ok = ok & (kn[None, :] > q_pos[:, None] - WINDOW)
                 s = tl.where(ok, s, float("-inf"))
             v_tile = v_ptrs + start_n * stride_vt
             acc, l_i, m_i = softmax_update(acc, l_i, m_i, s, v_tile, v_mask, DOT_PREC)
@@ -160,6 +176,7 @@ def _flash_bwd_kernel(
     H, TQ, TK, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, DQ_PASS: tl.constexpr, GROUP: tl.constexpr,
+    WINDOWED: tl.constexpr, WINDOW,
 ):  # fmt: skip
     """dQ of one query block of one query head (DQ_PASS, grid axis 0 over batch * H, axis 1 over
     query blocks) or dK and dV of one key block of one KV head (axis 0 over batch * H // GROUP,
@@ -189,9 +206,9 @@ def _flash_bwd_kernel(
         kt_ptrs = _tile(K, offs_d, offs_n, stride_kd, stride_kt)
         vt_ptrs = _tile(V, offs_d, offs_n, stride_vd, stride_vt)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N)
+        lo, n_full, end = _key_passes(start_m, TQ, TK, CAUSAL, BLOCK_M, BLOCK_N, WINDOWED, WINDOW)
         for MASKED in tl.static_range(2):  # the forward's passes: unmasked, then the diagonal
-            first, last = (n_full, end) if MASKED else (0, n_full)
+            first, last = (n_full, end) if MASKED else (lo, n_full)
             for start_n in range(first, last, BLOCK_N):
                 kn = start_n + offs_n  # (BLOCK_N,) key positions
                 n_ok = kn < TK
@@ -204,6 +221,8 @@ def _flash_bwd_kernel(
                     ok = n_ok[None, :]
                     if CAUSAL:
                         ok = ok & (kn[None, :] <= offs_m[:, None] + shift)
+                    if WINDOWED:
+                        ok = ok & (kn[None, :] > offs_m[:, None] + shift - WINDOW)
                     p = tl.where(ok, p, 0.0)
                 dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
                 ds = p * (dp - delta[:, None])
@@ -230,6 +249,11 @@ def _flash_bwd_kernel(
         lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
         mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
         mid = mid if CAUSAL else 0
+        if WINDOWED:  # query rows up to the last one whose window holds the block's last key
+            mid = tl.minimum(
+                tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift + WINDOW, 0), BLOCK_M) * BLOCK_M,
+                tl.cdiv(TQ, BLOCK_M) * BLOCK_M,
+            )
         for j in range(GROUP):  # the query heads that read this KV head add up in dk, dv
             h = kv_h * GROUP + j
             bh = b * H + h
@@ -239,6 +263,8 @@ def _flash_bwd_kernel(
             do_ptrs = _tile(do_head, offs_m, offs_d, stride_dt, stride_dd)
             for MASKED in tl.static_range(CAUSAL, -1, -1):  # causal: 1 then 0; otherwise 0 alone
                 first, last = (lo, tl.minimum(mid, TQ)) if MASKED else (mid, TQ)
+                if WINDOWED and not MASKED:  # every row the window reaches took the mask
+                    first, last = TQ, TQ
                 for start_m in range(first, last, BLOCK_M):
                     rows = start_m + offs_m  # (BLOCK_M,)
                     m_ok = rows < TQ
@@ -250,7 +276,10 @@ def _flash_bwd_kernel(
                     st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (N, M)
                     pt = tl.exp2(st - lse[None, :])  # P^T (BLOCK_N, BLOCK_M)
                     if MASKED:
-                        pt = tl.where(offs_n[:, None] <= rows[None, :] + shift, pt, 0.0)
+                        ok = offs_n[:, None] <= rows[None, :] + shift
+                        if WINDOWED:
+                            ok = ok & (offs_n[:, None] > rows[None, :] + shift - WINDOW)
+                        pt = tl.where(ok, pt, 0.0)
                     dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
                     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
                     dst = pt * (dpt - delta[None, :])
@@ -283,7 +312,7 @@ def _bwd_config(head_dim: int, dtype: torch.dtype) -> Config:
 
 def _launch_options(
     q: torch.Tensor, k: torch.Tensor, causal: bool, config: Callable[[int, torch.dtype], Config],
-    blocks: tuple[int, int] | None,
+    blocks: tuple[int, int] | None, window: int | None = None,
 ) -> dict:  # fmt: skip
     """The constexprs and launch options of the forward, dK/dV and dQ kernels."""
     head_dim = q.shape[3]
@@ -294,15 +323,16 @@ def _launch_options(
         CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PREC=dot_precision(q.dtype),
         GROUP=q.shape[1] // k.shape[1], num_warps=warps, num_stages=stages,
+        WINDOWED=window is not None, WINDOW=window or 0,
     )  # fmt: skip
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, blocks):  # noqa: ANN001 - autograd signature
+    def forward(ctx, q, k, v, causal, sm_scale, blocks, window):  # noqa: ANN001 - autograd signature
         B, H, TQ, D = q.shape
         TK = k.shape[2]
-        opts = _launch_options(q, k, causal, _fwd_config, blocks)
+        opts = _launch_options(q, k, causal, _fwd_config, blocks, window)
         o = torch.empty((B, H, TQ, D), device=q.device, dtype=q.dtype)  # contiguous
         lse = torch.empty((B * H, TQ), device=q.device, dtype=torch.float32)  # base-2 LSE
         grid = (B * H, triton.cdiv(TQ, opts["BLOCK_M"]))  # heads on axis 0: no 65535 limit
@@ -314,6 +344,7 @@ class _FlashAttention(torch.autograd.Function):
         ctx.causal = causal
         ctx.sm_scale = sm_scale
         ctx.blocks = blocks
+        ctx.window = window
         return o
 
     @staticmethod
@@ -321,7 +352,7 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         B, H, TQ, D = q.shape
         H_KV, TK = k.shape[1:3]
-        opts = _launch_options(q, k, ctx.causal, _bwd_config, ctx.blocks)
+        opts = _launch_options(q, k, ctx.causal, _bwd_config, ctx.blocks, ctx.window)
         block_m, block_n = opts["BLOCK_M"], opts["BLOCK_N"]
         delta = torch.empty_like(lse)  # (B * H, TQ) fp32
         _bwd_preprocess_kernel[(B * H, triton.cdiv(TQ, block_m))](
@@ -336,13 +367,13 @@ class _FlashAttention(torch.autograd.Function):
         # dK, dV: a program per key block of each KV head, summing its group's query heads
         _flash_bwd_kernel[(B * H_KV, triton.cdiv(TK, block_n))](*args, DQ_PASS=False, **opts)
         _flash_bwd_kernel[(B * H, triton.cdiv(TQ, block_m))](*args, DQ_PASS=True, **opts)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def triton_flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     sm_scale: float | None = None, *, enable_gqa: bool = False,
-    blocks: tuple[int, int] | None = None,
+    blocks: tuple[int, int] | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T * sm_scale) v with q (B, H, Tq, D), k and v (B, H_kv, Tk, D);
     differentiable. H_kv is H unless `enable_gqa` (as in F.scaled_dot_product_attention): then H
@@ -351,7 +382,9 @@ def triton_flash_attention(
     Causal masks are bottom-right aligned (the same as the reference when Tq != Tk). Head dims up
     to 256, any lengths, fp16/bf16/fp32 (fp32 math inside). `blocks=(BLOCK_M, BLOCK_N)` overrides
     the tile sizes of every kernel (tests use small tiles to cross many block boundaries).
+    `window` (causal only): query position p sees keys p - window < j <= p (`kernels.window`).
     """
+    check_window(window, causal)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, H, T, D)")
     heads_ok = (
@@ -366,4 +399,4 @@ def triton_flash_attention(
     if q.shape[3] > 256:
         raise ValueError(f"head dim {q.shape[3]} > 256 is not supported")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, causal, float(scale), blocks)
+    return _FlashAttention.apply(q, k, v, causal, float(scale), blocks, window)

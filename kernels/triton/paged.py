@@ -14,6 +14,10 @@ Split-K (flash-decoding): a decode step has one query per sequence, so one progr
 The context is cut into splits of `split_size` keys; each program writes its normalised partial
 output and its log-sum-exp, and a merge kernel combines the splits. With one split the kernel
 writes the final output directly.
+
+A sliding window (`kernels.window`: position p sees keys p - window < j <= p) starts each
+program's walk at its first row's window, so blocks before it are never read, and masks the keys
+before each row's own window.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from kernels.triton.softmax import (
     softmax_init,
     softmax_update,
 )
+from kernels.window import check_window
+
+NO_WINDOW = 1 << 30  # the kernel's window for a global layer: wider than any context
 
 
 @triton.jit
@@ -45,7 +52,7 @@ def _paged_attn_kernel(
     stride_tb,
     stride_os, stride_on, stride_oh, stride_od,
     stride_ls, stride_ln, stride_lh,
-    qk_scale, page_size, split_size, n_qblocks,
+    qk_scale, page_size, split_size, n_qblocks, WINDOW,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, WRITE_LSE: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -76,6 +83,7 @@ def _paged_attn_kernel(
     kv_end = tl.where(m0 < q_len, kv_end, 0)
     lo = split * split_size
     hi = tl.minimum(kv_end, lo + split_size)
+    lo = tl.maximum(lo, ctx - q_len + m0 - WINDOW + 1)  # the first row's window's first key
 
     acc, l_i, m_i = softmax_init(BLOCK_M, BLOCK_D)
     table = TABLES + seq.to(tl.int64) * stride_tb
@@ -90,7 +98,8 @@ def _paged_attn_kernel(
         kt_ptrs = KC + k_row[None, :] + offs_d[:, None] * stride_kd  # (BLOCK_D, BLOCK_N)
         kt = tl.load(kt_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        s = tl.where(k_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(k_ok[None, :] & seen, s, float("-inf"))
         v_ptrs = VC + v_row[:, None] + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
         v_mask = k_ok[:, None] & d_ok[None, :]
         acc, l_i, m_i = softmax_update(acc, l_i, m_i, s, v_ptrs, v_mask, DOT_PREC)
@@ -172,6 +181,7 @@ def triton_paged_attention(
     *,
     split_size: int | None = None,
     block_n: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention, same contract as `paged_attention_reference`; returns (N, H, D).
 
@@ -181,8 +191,10 @@ def triton_paged_attention(
     Reads meta.block_tables, meta.context_lens and meta.query_start on the device and
     meta.max_query_len on the host, so nothing is read back. Every sequence must have at least one
     new token. split_size (keys per split, rounded up to a multiple of block_n) overrides the
-    split-K heuristic.
+    split-K heuristic. `window`: each query sees only its last `window` keys (give it the
+    metadata trimmed to the window, `kernels.window.trim_to_window`, to plan no split before it).
     """
+    check_window(window)
     n_tokens, n_head, head_dim = q.shape
     page_size, n_kv_head = k_cache.shape[1:3]
     if k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
@@ -218,7 +230,7 @@ def triton_paged_attention(
         q, k_cache, v_cache, tables, lens, starts, part, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), tables.stride(0),
         *part_strides, *lse_strides,
-        scale * LOG2E, page_size, split_size, n_qblocks,
+        scale * LOG2E, page_size, split_size, n_qblocks, window or NO_WINDOW,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(q.dtype), WRITE_LSE=splits > 1, GROUP=group,
         num_warps=4 if block_d <= 64 else 8, num_stages=2,

@@ -50,7 +50,8 @@ class FusedDecodeBlock(Block):
         if x.shape[0] <= LAYER_FEW_ROWS and rope is None and cache.has_one_call_step(plan):
             step = cache.one_call_step(layer, plan)
             return self.op(x, self.norms, self.tiles, self.biases, self.widths, *step,
-                           self.n_head, self.eps, self.activation)  # fmt: skip
+                           self.n_head, self.eps, self.activation,
+                           cache.window(layer) or 0)  # fmt: skip
         return super().forward_cached(x, cache, layer, plan, rope)
 
 

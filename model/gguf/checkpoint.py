@@ -97,6 +97,8 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
             raise ConfigError(f"{path.name}: gpt2 with feed_forward_length != 4 * n_embd")
         return ModelConfig(**common, layer_norm_eps=float(field("attention.layer_norm_epsilon")))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or n_embd // n_head)
+    # a `llama` file of a Mistral with its window keeps it in attention.sliding_window: every layer
+    window = meta.get(f"{arch}.attention.sliding_window") if arch == "llama" else None
     return ModelConfig(
         **common,
         n_kv_head=int(field("attention.head_count_kv", n_head)),
@@ -109,6 +111,7 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
         activation="swiglu",
         layer_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        sliding_window=None if window is None else int(window),
     )
 
 

@@ -5,7 +5,8 @@ non-constexpr global or a tile that overflows shared memory only shows up here. 
 with TRITON_INTERPRET unset; it prints one `ok` line per variant and asserts that each kernel's
 shared memory fits sm_90. `--quick` compiles four variants that between them reach every kernel,
 every code path, bf16, and each kernel with and without grouped-query attention (GROUP 1 and 4) (test_compile.py runs that: each kernel takes seconds of LLVM and ptxas
-time on a small CPU); the full sweep takes many minutes on 2 cores.
+time on a small CPU), and two more with a sliding window (flash forward and backward, paged
+prefill); the full sweep takes many minutes on 2 cores.
 
 Each variant runs the host wrappers (`triton_flash_attention` forward and backward,
 `triton_paged_attention`) on CPU tensors laid out as the model lays them out (q, k and v are
@@ -124,25 +125,33 @@ def qkv_views(
     )
 
 
-def flash_variant(dt: str, head_dim: int, causal: bool, group: int) -> str:
+def flash_variant(
+    dt: str, head_dim: int, causal: bool, group: int, window: int | None = None
+) -> str:
     """Forward and backward of a training step: B=2, T=128, H * D = 4 * D, H // group KV
-    heads."""
+    heads, each query seeing its last `window` keys where one is given."""
     B, T, H = 2, 128, 4
     q, k, v = (
         t.transpose(1, 2).requires_grad_()  # (B, heads, T, D), strided like the model's
         for t in qkv_views((B, T), H, head_dim, DTYPES[dt], group)
     )
     with recording() as launches:
-        y = flash.triton_flash_attention(q, k, v, causal=causal, enable_gqa=group > 1)
+        y = flash.triton_flash_attention(
+            q, k, v, causal=causal, enable_gqa=group > 1, window=window
+        )
         y = y.transpose(1, 2).reshape(B, T, H * head_dim)  # what the model's c_proj reads
         y.backward(torch.randn_like(y))
     shared = compile_all(launches)
-    return f"ok flash {dt} D={head_dim} causal={causal} GROUP={group} shared {shared}"
+    shown = "" if window is None else f" window={window}"
+    return f"ok flash {dt} D={head_dim} causal={causal} GROUP={group}{shown} shared {shared}"
 
 
-def paged_variant(dt: str, head_dim: int, query_lens: list[int], split: bool, group: int) -> str:
+def paged_variant(
+    dt: str, head_dim: int, query_lens: list[int], split: bool, group: int,
+    window: int | None = None,
+) -> str:  # fmt: skip
     """One step over a head-major pool of 16-token pages holding H // group KV heads;
-    split=True cuts contexts into 64 keys."""
+    split=True cuts contexts into 64 keys; `window`: a sliding window's."""
     H, page = 4, 16
     context_lens = [200 + n for n in query_lens]
     width = -(-max(context_lens) // page)
@@ -156,19 +165,28 @@ def paged_variant(dt: str, head_dim: int, query_lens: list[int], split: bool, gr
         for _ in "kv"
     ]  # (blocks, page, H // group, D), each (block, head) one contiguous tile
     with recording() as launches:
-        paged.triton_paged_attention(q, *pools, meta, split_size=64 if split else None)
+        paged.triton_paged_attention(
+            q, *pools, meta, split_size=64 if split else None, window=window
+        )
     block_m = launches[0][3]["BLOCK_M"]
     shared = compile_all(launches)
+    shown = "" if window is None else f" window={window}"
     return (
-        f"ok paged {dt} D={head_dim} BLOCK_M={block_m} split={split} GROUP={group} shared {shared}"
+        f"ok paged {dt} D={head_dim} BLOCK_M={block_m} split={split} GROUP={group}{shown} "
+        f"shared {shared}"
     )
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, only_windows: bool = False) -> None:
     decode, prefill = [1, 1, 1, 1], [1, 100, 37]  # BLOCK_M 16; BLOCK_M 64 (the largest)
-    if quick:  # each kernel with GROUP 1 once and GROUP 4 (grouped-query attention) once
-        flash_variants = [("bf16", 80, True, 4), ("fp32", 256, False, 1)]
-        paged_variants = [("bf16", 64, prefill, True, 1), ("fp32", 80, decode, False, 4)]
+    windowed = [("fp16", 64, True, 2, 40)], [("fp16", 64, prefill, True, 1, 50)]
+    if only_windows:
+        flash_variants, paged_variants = windowed
+    elif quick:  # each kernel with GROUP 1 once and GROUP 4 (grouped-query attention) once
+        flash_variants = [("bf16", 80, True, 4), ("fp32", 256, False, 1), *windowed[0]]
+        paged_variants = [
+            ("bf16", 64, prefill, True, 1), ("fp32", 80, decode, False, 4), *windowed[1]
+        ]  # fmt: skip
     else:
         flash_variants = [
             (dt, d, c, g) for dt in DTYPES for d in (64, 80, 128, 256) for c in (True, False)
@@ -178,11 +196,11 @@ def main(quick: bool) -> None:
             (dt, d, q, s, g) for dt in DTYPES for d in (64, 80, 128, 256)
             for q in (decode, prefill) for s in (False, True) for g in (1, 4)
         ]  # fmt: skip
-    for dt, head_dim, causal, group in flash_variants:
-        print(flash_variant(dt, head_dim, causal, group), flush=True)
-    for dt, head_dim, query_lens, split, group in paged_variants:
-        print(paged_variant(dt, head_dim, query_lens, split, group), flush=True)
+    for variant in flash_variants:
+        print(flash_variant(*variant), flush=True)
+    for variant in paged_variants:
+        print(paged_variant(*variant), flush=True)
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv[1:])
+    main(quick="--quick" in sys.argv[1:], only_windows="--windows" in sys.argv[1:])

@@ -85,7 +85,7 @@ def test_sharded_bfloat16_checkpoint_keeps_its_dtype_or_is_cast(tmp_path: Path) 
     ("change", "message"),
     [
         ({"architectures": ["FalconForCausalLM"]}, "supported: GPT2LMHeadModel, LlamaForCausalLM"),
-        ({"sliding_window": 4096}, "sliding_window"),
+        ({"mlp_bias": True}, "mlp_bias"),
     ],
 )
 def test_unsupported_checkpoints_are_refused_in_one_line(

@@ -19,10 +19,10 @@ OPS = native.native_ops() if native.enabled() else None
 pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled float32 tiles")
 
 
-def _model(activation: str = "gelu", dtype: torch.dtype = torch.float32) -> GPT:
+def _model(activation: str = "gelu", dtype: torch.dtype = torch.float32, **window) -> GPT:
     torch.manual_seed(0)
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=50257,
-                      activation=activation)  # fmt: skip
+                      activation=activation, **window)  # fmt: skip
     return optimize_for_cpu(GPT(cfg).to(dtype).eval(), threads=2)
 
 
@@ -58,6 +58,26 @@ def test_the_engine_decodes_the_python_paths_bits(monkeypatch, activation, n_seq
     assert calls and max(calls) <= LAYER_FEW_ROWS  # it ran, and only for steps of few rows
     monkeypatch.setattr(FusedDecodeBlock, "forward_cached", Block.forward_cached)
     assert _decode(model, n_seq) == fused  # tokens and logprobs, exactly
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        dict(sliding_window=3),
+        dict(sliding_window=5, layer_types=["full_attention", "sliding_attention"]),
+    ],
+    ids=["all-windowed", "mixed"],
+)
+def test_windowed_layers_decode_the_python_paths_bits(monkeypatch, window):
+    """The one-call layer takes each layer's window: the same tokens and logprobs as the block's
+    own forward, and not those of the same weights without windows."""
+    model = _model(**window)
+    assert all(type(b) is FusedDecodeBlock for b in model.transformer.h)
+    fused = _decode(model, 3)
+    unwindowed = _decode(_model(), 3)
+    monkeypatch.setattr(FusedDecodeBlock, "forward_cached", Block.forward_cached)
+    assert _decode(model, 3) == fused
+    assert fused[1] != unwindowed[1]  # logprobs past the window differ
 
 
 def test_layers_that_do_not_fit_keep_their_block():

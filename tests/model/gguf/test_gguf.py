@@ -54,9 +54,13 @@ def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarr
     return gguf.quants.quantize(w.astype(np.float32), Q[kind]), Q[kind]
 
 
-def write_gguf(path: Path, arch: str, kind: str, tied: bool = False) -> None:
+def write_gguf(
+    path: Path, arch: str, kind: str, tied: bool = False, window: int | None = None
+) -> None:
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
+    if window is not None:
+        writer.add_sliding_window(window)
     head_dim = 128 if arch == "qwen3" else 64  # Qwen3's heads are wider than n_embd / n_head
     context = 1024 if arch == "gpt2" else 128  # transformers reads gpt2's as 1024 always
     writer.add_context_length(context)
@@ -153,6 +157,21 @@ def test_logits_match_transformers(tmp_path: Path, arch: str, kind: str) -> None
     idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(idx) - ref(idx).logits).abs().max().item() < 1e-4
+
+
+def test_a_llama_files_sliding_window_is_every_layers(tmp_path: Path) -> None:
+    """A `llama` file with attention.sliding_window (a Mistral's): every layer windowed, and its
+    logits past the window those of the windowless file's weights no more."""
+    write_gguf(tmp_path / "w.gguf", "llama", "F32", window=6)
+    write_gguf(tmp_path / "plain.gguf", "llama", "F32")
+    windowed, plain = load_checkpoint(tmp_path / "w.gguf"), load_checkpoint(tmp_path / "plain.gguf")
+    assert windowed.config.layer_windows() == (6, 6)
+    assert plain.config.layer_windows() == (None, None)
+    idx = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = windowed(idx), plain(idx)
+    assert torch.allclose(a[:, :6], b[:, :6], atol=1e-5)
+    assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-3)
 
 
 def test_unpermute_inverts_the_converter() -> None:
