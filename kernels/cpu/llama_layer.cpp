@@ -60,23 +60,24 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
                   const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& write_block, const at::Tensor& write_offset,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_head,
-                  double scale) {
+                  double scale, int64_t window) {
   using Signature = at::Tensor(const at::Tensor&, const Bias&, const Bias&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, int64_t, double,
-                               at::ScalarType);
+                               at::ScalarType, int64_t);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("gptserve_cpu::paged_decode_qkv", "")
                              .typed<Signature>();
   return op.call(qkv, cos, sin, k_pool, v_pool, write_block, write_offset, block_tables,
-                 context_lens, n_head, scale, at::kFloat);
+                 context_lens, n_head, scale, at::kFloat, window);
 }
 
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's and ln_2's weights
 // (float32). kinds, weights, tables, biases, widths (outputs) and copies: c_attn (q, k, v),
 // attn's c_proj, c_fc (gate, then up), mlp's c_proj, each as `product` takes it. cos, sin (N, D)
-// float32: each token's rotation. The pools and step tensors are paged_decode_qkv's. Returns x
-// after the layer, (N, C) float32.
+// float32: each token's rotation. The pools, step tensors and `window` (0: none; else each row's
+// query sees only its last `window` keys) are paged_decode_qkv's. Returns x after the layer,
+// (N, C) float32.
 at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double eps,
                               at::IntArrayRef kinds, at::TensorList weights,
                               at::TensorList tables, const c10::List<std::optional<at::Tensor>>& biases,
@@ -85,7 +86,7 @@ at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double 
                               const at::Tensor& k_pool, const at::Tensor& v_pool,
                               const at::Tensor& write_block, const at::Tensor& write_offset,
                               const at::Tensor& block_tables, const at::Tensor& context_lens,
-                              int64_t n_head) {
+                              int64_t n_head, int64_t window) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be (N, C) float32 on the CPU");
   TORCH_CHECK(norms.size() == 2, "norms: ln_1's and ln_2's weights");
@@ -103,7 +104,7 @@ at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double 
   };
   at::Tensor qkv = apply(0, rms_norm(x, norms[0], eps));  // (N, (H + 2 H_kv) D)
   at::Tensor y = attend(qkv, cos, sin, k_pool, v_pool, write_block, write_offset, block_tables,
-                        context_lens, n_head, scale);  // (N, H, D)
+                        context_lens, n_head, scale, window);  // (N, H, D)
   at::Tensor out = at::add(x, apply(1, y.view({n, n_head * dim})));
   at::Tensor h = apply(2, rms_norm(out, norms[1], eps));  // (N, 2 W): gate, then up
   return at::add(out, apply(3, silu_mul(h)));
@@ -116,6 +117,6 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
       "llama_decode_layer(Tensor x, Tensor[] norms, float eps, int[] kinds, Tensor[] weights, "
       "Tensor[] tables, Tensor?[] biases, int[] widths, int[] copies, Tensor cos, Tensor sin, "
       "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_block, Tensor write_offset, "
-      "Tensor block_tables, Tensor context_lens, int n_head) -> Tensor");
+      "Tensor block_tables, Tensor context_lens, int n_head, int window=0) -> Tensor");
   m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
 }

@@ -106,7 +106,7 @@ class FusedLlamaBlock(Block):
             cos, sin = rope[0].view(n, -1), rope[1].view(n, -1)  # (N, D) each
             return self.op(x, self.norms, self.eps, self.kinds, self.weights, self.tables,
                            self.biases, self.widths, self.copies, cos, sin, *step,
-                           self.n_head)  # fmt: skip
+                           self.n_head, cache.window(layer) or 0)  # fmt: skip
         return super().forward_cached(x, cache, layer, plan, rope)
 
 

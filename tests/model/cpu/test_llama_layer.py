@@ -33,12 +33,16 @@ def _int4(linear: torch.nn.Linear, bias: bool = False) -> Int4Linear:
     return Int4Linear(Int4Groups(codes, scales, zeros), bias=b, compiled=True)
 
 
-def _llama(int4: bool, qkv_bias: bool = False, qk_norm: bool = False) -> GPT:
+def _llama(
+    int4: bool, qkv_bias: bool = False, qk_norm: bool = False, window: int | None = None
+) -> GPT:
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4, n_embd=64,
                          n_kv_head=2, intermediate_size=96, bias=False, qkv_bias=qkv_bias,
                          qk_norm=qk_norm, pos_encoding="rotary", norm="rmsnorm",
-                         activation="swiglu", tokenizer="gpt2")  # fmt: skip
+                         activation="swiglu", tokenizer="gpt2", sliding_window=window,
+                         layer_types=["sliding_attention", "full_attention"] if window else None,
+                         )  # fmt: skip
     model = GPT(config).eval()
     if int4:  # every product int4, as a GGUF file's Q4 layers
         for block in model.transformer.h:
@@ -68,12 +72,13 @@ def _decode(model: GPT, n_seq: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize(
-    "int4, qkv_bias", [(True, False), (True, True), (False, False)],
-    ids=["int4", "int4-qkv-bias", "float32-tiles"],
+    "int4, qkv_bias, window",
+    [(True, False, None), (True, True, None), (False, False, None), (True, False, 6)],
+    ids=["int4", "int4-qkv-bias", "float32-tiles", "int4-window-6"],
 )  # fmt: skip
 @pytest.mark.parametrize("n_seq", [1, 3, LAYER_FEW_ROWS + 2])  # the last: more than few rows
-def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, n_seq):
-    model = _llama(int4, qkv_bias)
+def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, window, n_seq):
+    model = _llama(int4, qkv_bias, window=window)
     assert all(type(b) is FusedLlamaBlock for b in model.transformer.h)
     calls = []
     op = model.transformer.h[0].op
