@@ -27,7 +27,9 @@
 7. `--parts q8`: GPT-2's int8 matrices by 1 to 512 rows, PyTorch's int8 kernel against the
    tiles of 8-bit products (`model.quantize.Int8Linear`, kernels/cpu/q8_matmul.cpp).
 8. `--parts layer`: the Engine's float32 decode step with 1 and 4 sequences, each GPT-2 layer
-   through its Python path against one compiled call (`model.cpu.decode_layer`).
+   through its Python path against one compiled call (`model.cpu.decode_layer`);
+   `--parts llama-layer`: the same for the default model (SmolLM2's Q4_1 file, 1 and 16
+   sequences) against `model.cpu.llama_layer`'s one call a layer.
    `--parts sampler`: the sampler's pass over the vocabulary (kernels/cpu/logit_stats.cpp)
    with the log-sum-exp a logprob needs against the argmax alone. `--parts kv`: the Engine's
    decode step (float32 and int8, 1 and 32 sequences) over a float32 KV cache against a
@@ -543,47 +545,76 @@ def q8_rows() -> list[Row]:
 
 
 @torch.no_grad()
+def switched_steps(model: nn.Module, tokenizer, fused: type, seqs: int, vocab: int) -> tuple:
+    """Median decode step (ms) of one Engine over `model` with `seqs` sequences of 64-token
+    prompts, each `fused` layer's step through its Python path (`Block.forward_cached`) and
+    through its compiled call, the two switched every 10 steps."""
+    import engine.engine as engine_module
+    from engine.sampler import SamplingParams
+    from model.gpt import Block
+
+    compiled = fused.forward_cached
+    eng = engine_module.Engine(
+        model, tokenizer, engine_module.EngineConfig(max_num_seqs=seqs, num_blocks=16 * seqs + 32)
+    )
+    gen = torch.Generator().manual_seed(seqs)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    for i in range(seqs):
+        eng.add_request(str(i), torch.randint(0, vocab, (64,), generator=gen).tolist(), params)
+    for _ in range(5):
+        eng.step()
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        for _ in range(12):
+            for forward, out in zip((Block.forward_cached, compiled), times):
+                fused.forward_cached = forward
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    eng.step()
+                out.append(100 * (time.perf_counter() - t0))  # ms a step
+    finally:
+        fused.forward_cached = compiled
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def layer_rows() -> list[Row]:
     """Median decode step of the Engine (GPT-2 124M float32, 1 and 4 sequences) with each
     layer's step through its Python path against one `decode_layer` call
     (`model.cpu.decode_layer`), the two switched every 10 steps of one engine."""
-    import engine.engine as engine_module
-    from engine.sampler import SamplingParams
     from model import get_tokenizer
     from model.cpu.decode_layer import FusedDecodeBlock
-    from model.gpt import Block
 
     torch.manual_seed(0)
     model = optimize_for_cpu(GPT(ModelConfig()).eval())
     if not any(isinstance(b, FusedDecodeBlock) for b in model.transformer.h):
         print("layer: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
         return []
-    fused = FusedDecodeBlock.forward_cached
-    rows = []
-    for seqs in (1, 4):
-        eng = engine_module.Engine(
-            model, get_tokenizer(), engine_module.EngineConfig(max_num_seqs=seqs, num_blocks=96)
-        )
-        gen = torch.Generator().manual_seed(seqs)
-        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
-        for i in range(seqs):
-            eng.add_request(str(i), torch.randint(0, 50257, (64,), generator=gen).tolist(), params)
-        for _ in range(5):
-            eng.step()
-        times: tuple[list[float], list[float]] = ([], [])
-        try:
-            for _ in range(12):
-                for forward, out in zip((Block.forward_cached, fused), times):
-                    FusedDecodeBlock.forward_cached = forward
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        eng.step()
-                    out.append(100 * (time.perf_counter() - t0))  # ms a step
-        finally:
-            FusedDecodeBlock.forward_cached = fused
-        rows.append((f"engine decode step, {seqs} float32 seq(s)", "Python -> decode_layer",
-                     statistics.median(times[0]), statistics.median(times[1])))  # fmt: skip
-    return rows
+    return [
+        (f"engine decode step, {seqs} float32 seq(s)", "Python -> decode_layer",
+         *switched_steps(model, get_tokenizer(), FusedDecodeBlock, seqs, 50257))
+        for seqs in (1, 4)
+    ]  # fmt: skip
+
+
+def llama_layer_rows() -> list[Row]:
+    """Median decode step of the Engine over the default model (SmolLM2-135M-Instruct's Q4_1
+    file, 1 and 16 sequences) with each layer's step through its Python path against one
+    `llama_decode_layer` call (`model.cpu.llama_layer`), switched every 10 steps of one engine."""
+    from engine.loader import load_for_inference
+    from model.cpu.llama_layer import FusedLlamaBlock
+    from model.known_models import DEFAULT_MODEL_NAME, resolve_model
+
+    loaded = load_for_inference(resolve_model(DEFAULT_MODEL_NAME))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if not any(isinstance(b, FusedLlamaBlock) for b in model.transformer.h):
+        print("llama-layer: the compiled kernels are not built here (GPTSERVE_NATIVE=0?)")
+        return []
+    vocab = model.config.vocab_size
+    return [
+        (f"engine decode step, SmolLM2 Q4_1, {seqs} seq(s)", "Python -> llama_decode_layer",
+         *switched_steps(model, tokenizer, FusedLlamaBlock, seqs, vocab))
+        for seqs in (1, 16)
+    ]  # fmt: skip
 
 
 def kv_dtype_rows() -> list[Row]:
@@ -660,6 +691,7 @@ PARTS = {
     "f32": f32_rows,
     "q8": q8_rows,
     "layer": layer_rows,
+    "llama-layer": llama_layer_rows,
     "sampler": sampler_rows,
     "kv": kv_dtype_rows,
 }

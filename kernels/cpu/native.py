@@ -54,6 +54,7 @@ SOURCES = [
         "q8_matmul.cpp",
         "logit_stats.cpp",
         "decode_layer.cpp",
+        "llama_layer.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h")]

@@ -15,8 +15,10 @@ only `nn.Linear` modules are swapped, except that an int8 feed-forward block who
 is compiled (`Int8Linear` in tiles) has that product apply the activation too. A gated (SwiGLU)
 feed-forward block keeps its own forward, unless the compiled CPU kernels are built
 (`kernels.cpu.native`): then a float32 Llama-family layer's norms and SwiGLU are one call each,
-written in the next product's dtype (`model.cpu.fused_rows`), and a float32 GPT-2 layer whose
-products read tiles takes a decode step of a few rows in one call (`model.cpu.decode_layer`).
+written in the next product's dtype (`model.cpu.fused_rows`), a Llama-family layer whose products
+are compiled takes its decode step in one call (`model.cpu.llama_layer`), and a float32 GPT-2
+layer whose products read tiles takes a decode step of a few rows in one call
+(`model.cpu.decode_layer`).
 `python bench/cpu_parts.py` measures each part against what it replaces.
 
 The model computes the same function afterwards, but its parameters are no longer trainable
@@ -35,6 +37,7 @@ from kernels.cpu.native import native_ops
 from model.cpu.decode_layer import install_decode_layers
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear, compiled_tiles
 from model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
+from model.cpu.llama_layer import install_llama_layers
 from model.cpu.onednn_linear import OneDnnLinear
 from model.cpu.packed_linear import (
     PackedEmbedding,
@@ -107,6 +110,7 @@ def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bo
     pack_linears(model, threads, tiles_ops)
     if ops is not None:
         install_fused_rows(model, ops)
+        install_llama_layers(model, ops)
     if tiles_ops is not None:
         install_decode_layers(model, tiles_ops)
     return model

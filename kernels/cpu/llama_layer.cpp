@@ -1,0 +1,122 @@
+// A whole Llama-family layer of a CPU decode step in one call: RMSNorm, the q/k/v product, the
+// rotation with the cache writes and the one-query paged attention (paged_decode_qkv), the output
+// product and residual add, RMSNorm, the gate/up product, SwiGLU and the down product with its
+// residual add. Each piece is the very kernel the Python path calls (the gptserve_cpu operators
+// through the dispatcher, ATen's add), in the same order and dtypes, so the result is that
+// path's to the bit; what goes is the Python between them, about 40 operations' worth a layer
+// (model.cpu.llama_layer installs it and has the measurements).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+
+namespace {
+
+using Bias = std::optional<at::Tensor>;
+
+// how a product's matrix is held: int4 groups in tiles (int4_matmul.cpp) or float32 tiles
+// (f32_matmul.cpp); the codes match model/cpu/llama_layer.py
+enum Kind : int64_t { kInt4 = 0, kFloatTiles = 1 };
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("gptserve_cpu::rms_norm", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, at::ScalarType)>();
+  return op.call(x, weight, eps, at::kFloat);
+}
+
+at::Tensor silu_mul(const at::Tensor& h) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gptserve_cpu::silu_mul", "")
+                             .typed<at::Tensor(const at::Tensor&, at::ScalarType)>();
+  return op.call(h, at::kFloat);
+}
+
+// x (N, in) float32 -> (N, n) float32: `weight` (and `table` for int4 groups, `copies` inputs a
+// group) as the layer's module holds them; the bias added as Int4Linear adds it (bias + y)
+at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
+                   const at::Tensor& table, const Bias& bias, int64_t n, int64_t copies) {
+  if (kind == kInt4) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("gptserve_cpu::int4_matmul", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                              int64_t, at::ScalarType)>();
+    at::Tensor y = op.call(x, weight, table, n, copies, at::kFloat);
+    return bias.has_value() ? at::add(*bias, y) : y;
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gptserve_cpu::f32_matmul", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Bias&,
+                                               int64_t, int64_t)>();
+  return op.call(x, weight, bias, n, 0);
+}
+
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& write_block, const at::Tensor& write_offset,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_head,
+                  double scale, int64_t window) {
+  using Signature = at::Tensor(const at::Tensor&, const Bias&, const Bias&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, int64_t, double,
+                               at::ScalarType, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gptserve_cpu::paged_decode_qkv", "")
+                             .typed<Signature>();
+  return op.call(qkv, cos, sin, k_pool, v_pool, write_block, write_offset, block_tables,
+                 context_lens, n_head, scale, at::kFloat, window);
+}
+
+// x (N, C) float32, one new token per decoding sequence. norms: ln_1's and ln_2's weights
+// (float32). kinds, weights, tables, biases, widths (outputs) and copies: c_attn (q, k, v),
+// attn's c_proj, c_fc (gate, then up), mlp's c_proj, each as `product` takes it. cos, sin (N, D)
+// float32: each token's rotation. The pools, step tensors and `window` (0: none; else each row's
+// query sees only its last `window` keys) are paged_decode_qkv's. Returns x after the layer,
+// (N, C) float32.
+at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double eps,
+                              at::IntArrayRef kinds, at::TensorList weights,
+                              at::TensorList tables, const c10::List<std::optional<at::Tensor>>& biases,
+                              at::IntArrayRef widths, at::IntArrayRef copies,
+                              const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& k_pool, const at::Tensor& v_pool,
+                              const at::Tensor& write_block, const at::Tensor& write_offset,
+                              const at::Tensor& block_tables, const at::Tensor& context_lens,
+                              int64_t n_head, int64_t window) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be (N, C) float32 on the CPU");
+  TORCH_CHECK(norms.size() == 2, "norms: ln_1's and ln_2's weights");
+  TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && tables.size() == 4 &&
+                  biases.size() == 4 && widths.size() == 4 && copies.size() == 4,
+              "kinds, weights, tables, biases, widths and copies come four each");
+  const int64_t n = x.size(0), width = x.size(1), dim = k_pool.size(-1);
+  const int64_t kv_width = k_pool.size(-2) * dim;
+  TORCH_CHECK(widths[0] == n_head * dim + 2 * kv_width && widths[1] == width &&
+                  widths[2] % 2 == 0 && widths[3] == width,
+              "a Llama layer: c_attn's (H + 2 H_kv) D outputs, c_fc's gate and up");
+  const double scale = std::pow(static_cast<double>(dim), -0.5);
+  auto apply = [&](int64_t i, const at::Tensor& rows) {
+    return product(rows, kinds[i], weights[i], tables[i], biases.get(i), widths[i], copies[i]);
+  };
+  at::Tensor qkv = apply(0, rms_norm(x, norms[0], eps));  // (N, (H + 2 H_kv) D)
+  at::Tensor y = attend(qkv, cos, sin, k_pool, v_pool, write_block, write_offset, block_tables,
+                        context_lens, n_head, scale, window);  // (N, H, D)
+  at::Tensor out = at::add(x, apply(1, y.view({n, n_head * dim})));
+  at::Tensor h = apply(2, rms_norm(out, norms[1], eps));  // (N, 2 W): gate, then up
+  return at::add(out, apply(3, silu_mul(h)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
+  m.def(
+      "llama_decode_layer(Tensor x, Tensor[] norms, float eps, int[] kinds, Tensor[] weights, "
+      "Tensor[] tables, Tensor?[] biases, int[] widths, int[] copies, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_block, Tensor write_offset, "
+      "Tensor block_tables, Tensor context_lens, int n_head, int window=0) -> Tensor");
+  m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
+}

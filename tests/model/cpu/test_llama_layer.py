@@ -1,0 +1,117 @@
+"""A Llama-family layer's decode step as one compiled call (`model.cpu.llama_layer`): installed
+where a layer fits (int4 products as a GGUF file's, or float32 tiles), the Engine's tokens and
+logprobs the Python path's to the bit, and every step it does not suit left to that path."""
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.sampler import SamplingParams
+from kernels.cpu import native
+from model import GPT, get_tokenizer
+from model.config import ModelConfig
+from model.cpu import optimize_for_cpu
+from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
+from model.cpu.llama_layer import FusedLlamaBlock
+from model.gguf.blocks import Int4Groups
+from model.gpt import Block
+from model.int4_linear import Int4Linear
+
+OPS = native.native_ops() if native.enabled() else None
+pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled CPU kernels")
+VOCAB = 96
+
+
+def _int4(linear: torch.nn.Linear, bias: bool = False) -> Int4Linear:
+    """An int4 layer of `linear`'s shape: codes 0..15, random scales and zeros per group of 32."""
+    gen = torch.Generator().manual_seed(linear.out_features)
+    out, width = linear.weight.shape
+    codes = torch.randint(0, 16, (out, width), generator=gen, dtype=torch.uint8).numpy()
+    scales = (torch.rand(out, width // 32, generator=gen) * 0.02).numpy()
+    zeros = (torch.randn(out, width // 32, generator=gen) * 0.01).numpy()
+    b = torch.randn(out, generator=gen) * 0.1 if bias else None
+    return Int4Linear(Int4Groups(codes, scales, zeros), bias=b, compiled=True)
+
+
+def _llama(
+    int4: bool, qkv_bias: bool = False, qk_norm: bool = False, window: int | None = None
+) -> GPT:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4, n_embd=64,
+                         n_kv_head=2, intermediate_size=96, bias=False, qkv_bias=qkv_bias,
+                         qk_norm=qk_norm, pos_encoding="rotary", norm="rmsnorm",
+                         activation="swiglu", tokenizer="gpt2", sliding_window=window,
+                         layer_types=["sliding_attention", "full_attention"] if window else None,
+                         )  # fmt: skip
+    model = GPT(config).eval()
+    if int4:  # every product int4, as a GGUF file's Q4 layers
+        for block in model.transformer.h:
+            attn, mlp = block.attn, block.mlp
+            attn.c_attn, attn.c_proj = _int4(attn.c_attn, qkv_bias), _int4(attn.c_proj)
+            mlp.c_fc, mlp.c_proj = _int4(mlp.c_fc), _int4(mlp.c_proj)
+    return optimize_for_cpu(model, threads=2)
+
+
+def _decode(model: GPT, n_seq: int) -> tuple[dict, dict]:
+    """Greedy tokens and logprobs of `n_seq` requests decoded together, request i 4 + i
+    tokens."""
+    engine = Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=n_seq))
+    gen = torch.Generator().manual_seed(n_seq)
+    for i in range(n_seq):  # lengths apart: a step of many decodes ends in steps of fewer
+        params = SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True, logprobs=1)
+        prompt = torch.randint(0, VOCAB, (5 + 3 * i,), generator=gen).tolist()
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    while engine.has_work():
+        for ev in engine.step():
+            assert ev.error is None
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize(
+    "int4, qkv_bias, window",
+    [(True, False, None), (True, True, None), (False, False, None), (True, False, 6)],
+    ids=["int4", "int4-qkv-bias", "float32-tiles", "int4-window-6"],
+)  # fmt: skip
+@pytest.mark.parametrize("n_seq", [1, 3, LAYER_FEW_ROWS + 2])  # the last: more than few rows
+def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, window, n_seq):
+    model = _llama(int4, qkv_bias, window=window)
+    assert all(type(b) is FusedLlamaBlock for b in model.transformer.h)
+    calls = []
+    op = model.transformer.h[0].op
+    for block in model.transformer.h:
+        block.op = lambda *args, _op=op: calls.append(args[0].shape[0]) or _op(*args)
+    fused = _decode(model, n_seq)
+    assert calls  # it ran: float32 tiles only for steps of few rows, int4 for any
+    assert max(calls) <= (LAYER_FEW_ROWS if not int4 else n_seq)
+    if int4 and n_seq > LAYER_FEW_ROWS:
+        assert max(calls) == n_seq
+    monkeypatch.setattr(FusedLlamaBlock, "forward_cached", Block.forward_cached)
+    assert _decode(model, n_seq) == fused  # tokens and logprobs, exactly
+
+
+def test_layers_that_do_not_fit_keep_their_block():
+    assert all(type(b) is Block for b in _llama(int4=True, qk_norm=True).transformer.h)
+    model = _llama(int4=False)
+    assert type(model.transformer.h[0]) is FusedLlamaBlock
+    torch.manual_seed(0)
+    bf16 = GPT(model.config).to(torch.bfloat16).eval()  # no float32 norms or tiles
+    assert all(type(b) is Block for b in optimize_for_cpu(bf16, threads=2).transformer.h)
+    invariant = optimize_for_cpu(GPT(model.config).eval(), threads=2, batch_invariant=True)
+    assert all(type(b) is Block for b in invariant.transformer.h)  # oneDNN's products
+
+
+def test_the_op_refuses_a_layer_of_another_shape():
+    block = _llama(int4=True).transformer.h[0]
+    x = torch.randn(1, 64)
+    pools = torch.zeros(2, 16, 2, 8)  # heads of 8, not 64 / 4
+    slot = torch.zeros(1, dtype=torch.long)
+    rot = torch.ones(1, 8)
+    step = (pools, pools.clone(), slot, slot.clone(), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(RuntimeError, match="a Llama layer"):
+        block.op(x, block.norms, block.eps, block.kinds, block.weights, block.tables,
+                 block.biases, block.widths, block.copies, rot, rot, *step, block.n_head)  # fmt: skip
