@@ -182,6 +182,34 @@ def test_small_files_at_their_bits_compute_the_float_model(
         assert relative_error(got, want) < 1e-5
 
 
+K_QUANT_FILES = [("llama", "Q6_K"), ("llama", "Q5_K"), ("qwen3", "Q6_K")]  # qwen3: a tied head
+
+
+@pytest.mark.skipif(not kquant_compiled(), reason="int8 rows without the compiled kernels")
+@pytest.mark.parametrize(
+    ("arch", "kind"), K_QUANT_FILES, ids=[f"{a}-{k}" for a, k in K_QUANT_FILES]
+)
+def test_k_quant_files_at_their_bits_are_transformers_logits(
+    tmp_path: Path, arch: str, kind: str
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / f"{arch}-{kind}.gguf"
+    write_gguf(path, arch, kind, tied=arch == "qwen3")
+    low = load_checkpoint(path, low_bit=True)
+    held = [m for m in low.modules() if isinstance(m, KQuantLinear)]
+    assert len(held) == 2 * 4 + 1 and isinstance(low.lm_head, KQuantLinear)  # q/k/v joined
+    assert all(m.blocks.numel() == m.out_features * m.in_features // 256 * (210 if kind == "Q6_K" else 176) for m in held)  # fmt: skip
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    idx = torch.randint(0, 260, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(idx).logits
+        assert (low(idx) - want).abs().max().item() < 1e-4  # float32 rounding apart
+        decode = low(idx[:1, :3])  # three rows: the few-row kernel throughout
+        assert (decode - ref(idx[:1, :3]).logits).abs().max().item() < 1e-4
+
+
 def test_cpu_wing_leaves_low_bit_layers_alone(tmp_path: Path) -> None:
     path = tmp_path / "llama-q4.gguf"
     write_gguf(path, "llama", "Q4_1")
@@ -258,6 +286,46 @@ def test_smollm2_at_its_bits_agrees_with_its_float_weights(smollm2: Path) -> Non
     # near-ties move
     assert agreement >= 0.985
     assert gaps.max().item() <= 0.05  # each disagreement a near-tie of the float model's
+    assert abs(loss - float_loss) <= 0.01 * float_loss
+
+
+@pytest.mark.skipif(not kquant_compiled(), reason="int8 rows without the compiled kernels")
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_smollm2_with_k_quant_layers_at_their_bits_agrees_with_its_float_weights(
+    smollm2: Path, kind: str
+) -> None:
+    """SmolLM2's FFN down matrices (1536 inputs: whole super-blocks; its others have 576)
+    requantized to `kind`, at their own bits against the same file's weights in float32."""
+    from model.gguf.checkpoint import dequantized_state, read_gguf
+    from model.gguf.kquant_blocks import quantize
+    from model.gguf.quantized import build_low_bit_gpt, float_rows
+    from model.gpt import GPT
+
+    source = read_gguf(smollm2)
+    for name, raw in source.tensors.items():
+        if name.endswith("mlp.c_proj.weight"):
+            blocks = quantize(float_rows(raw).numpy(), kind)
+            source.tensors[name] = RawTensor(blocks, kind, raw.shape)
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:20000]
+    ids = torch.tensor([load_tokenizer("gguf", smollm2).encode(text)[:513]])
+    idx, targets = ids[:, :-1], ids[0, 1:]  # 512 positions
+    with torch.no_grad():
+        reference = GPT(source.config)
+        reference.load_state_dict(dequantized_state(source), strict=False)
+        want = reference.eval()(idx)[0]
+        served = optimize_for_cpu(build_low_bit_gpt(source, smollm2))
+        keep_int8_kernel(served)  # the head's rows as decode steps run theirs
+        assert sum(isinstance(m, KQuantLinear) for m in served.modules()) == 30
+        got = served(idx)[0]
+    choice = got.argmax(-1)
+    agreement = (choice == want.argmax(-1)).float().mean().item()
+    loss = torch.nn.functional.cross_entropy(got, targets).item()
+    float_loss = torch.nn.functional.cross_entropy(want, targets).item()
+    gaps = want.max(-1).values - want.gather(1, choice[:, None])[:, 0]  # (512,)
+    print(f"{kind}: top-1 agreement {agreement:.4f}, loss {loss:.4f} (float {float_loss:.4f}), "
+          f"largest float gap of a disagreement {gaps.max().item():.4f}")  # fmt: skip
+    assert agreement >= 0.985  # as the file's own layers (above): only near-ties may move
+    assert gaps.max().item() <= 0.05
     assert abs(loss - float_loss) <= 0.01 * float_loss
 
 
