@@ -14,11 +14,11 @@
 // Each weight is computed as gguf's reference dequantization computes it, in float32 and in
 // the same order (d * scale first), so the weights are the file's dequantized values exactly;
 // `kquant_dequantize` writes them out (the many-row path multiplies them by a float32 product).
-// `kquant_matmul` decodes an output row a chunk of blocks at a time into a buffer in L1 cache
-// and multiplies every input row by it: the rows of a call share one decoding, and each row's
-// sum runs in one fixed order (kAcc vector accumulators over the row, then a fixed tree), so a
-// row's result does not depend on its batch, to the bit. Output rows are shared out among
-// threads.
+// `kquant_matmul` reads an output row's blocks one by one and takes each weight from its code
+// to the accumulators of kRows input rows at once in registers (a call of more rows reads the
+// row's codes again for each kRows); each row's sum runs in one fixed order (kAcc vector
+// accumulators over the row, then a fixed tree), so a row's result does not depend on its
+// batch, to the bit. Output rows are shared out among threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -27,17 +27,14 @@
 
 #include "vec_f32.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
 constexpr int64_t kSuper = 256;       // weights a super-block holds
 constexpr int64_t kQ6Bytes = 210;     // bytes of a Q6_K super-block
 constexpr int64_t kQ5Bytes = 176;     // bytes of a Q5_K super-block
-constexpr int64_t kChunkBlocks = 16;  // super-blocks decoded at a time: 16 KiB of floats
 constexpr int kAcc = 4;               // independent accumulators a row keeps
 #if defined(__AVX512F__)
 constexpr int kRows = 4;  // input rows a pass over the decoded weights serves (32 registers)
@@ -94,91 +91,134 @@ inline Vec rounded(Vec v) {
   return v;
 }
 
-// Each decoder first writes a super-block's 256 codes as bytes (plain byte loops, which the
-// compiler vectorizes at any width), then turns them into weights kLanes at a time.
+// A super-block is read in two steps: its codes as bytes (plain byte loops, which the compiler
+// vectorizes at any width) with its sub-blocks' scales as floats, then its weights kLanes at a
+// time, each where it is used (`weights`): the same values for the products and for
+// `kquant_dequantize`.
 
-// kLanes signed codes -> their weights: scale * code
-inline void scaled(const int8_t* q, Vec scale, float* w) {
-  vstore(w, vmul(scale, to_float(load_signed(q))));
-}
-
-// one Q6_K super-block -> its 256 weights
-void decode_q6_k(const uint8_t* block, float* w) {
-  const uint8_t* ql = block;
-  const uint8_t* qh = block + 128;
-  const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-  const float d = half_at(block + 208);
+struct Q6Block {
   alignas(64) int8_t q[kSuper];  // the codes less 32, in -32..31
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* lo = ql + 64 * h;
-    const uint8_t* hi = qh + 32 * h;
-    int8_t* o = q + 128 * h;
-    for (int l = 0; l < 32; ++l) {  // weight l of each of the half's four runs of 32
-      const uint8_t a = lo[l], b = lo[l + 32], c = hi[l];
-      o[l] = static_cast<int8_t>(((a & 15) | ((c & 3) << 4)) - 32);
-      o[l + 32] = static_cast<int8_t>(((b & 15) | (((c >> 2) & 3) << 4)) - 32);
-      o[l + 64] = static_cast<int8_t>(((a >> 4) | (((c >> 4) & 3) << 4)) - 32);
-      o[l + 96] = static_cast<int8_t>(((b >> 4) | ((c >> 6) << 4)) - 32);
-    }
-  }
-  for (int j = 0; j < 16; ++j) {  // 16 weights a scale
-    const Vec scale = vset(d * static_cast<float>(scales[j]));
-    for (int i = 0; i < 16; i += kLanes) scaled(q + 16 * j + i, scale, w + 16 * j + i);
-  }
-}
+  alignas(64) float scale[16];   // d * scale, one per 16 weights
+  static constexpr int64_t kBytes = kQ6Bytes;
 
-// one Q5_K super-block -> its 256 weights: d * sc * q is rounded before dmin * m is taken off,
-// as the reference computes it
-void decode_q5_k(const uint8_t* block, float* w) {
-  const float d = half_at(block), dmin = half_at(block + 2);
-  const uint8_t* packed = block + 4;
-  const uint8_t* qh = block + 16;
-  const uint8_t* qs = block + 48;
+  void read(const uint8_t* block) {
+    const uint8_t* ql = block;
+    const uint8_t* qh = block + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_at(block + 208);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* lo = ql + 64 * h;
+      const uint8_t* hi = qh + 32 * h;
+      int8_t* o = q + 128 * h;
+      for (int l = 0; l < 32; ++l) {  // weight l of each of the half's four runs of 32
+        const uint8_t a = lo[l], b = lo[l + 32], c = hi[l];  // c's bit pairs: the runs' high bits
+        o[l] = static_cast<int8_t>(((a & 15) | ((c << 4) & 48)) - 32);
+        o[l + 32] = static_cast<int8_t>(((b & 15) | ((c << 2) & 48)) - 32);
+        o[l + 64] = static_cast<int8_t>(((a >> 4) | (c & 48)) - 32);
+        o[l + 96] = static_cast<int8_t>(((b >> 4) | ((c >> 2) & 48)) - 32);
+      }
+    }
+    const Vec dv = vset(d);
+    for (int j = 0; j < 16; j += kLanes)
+      vstore(scale + j, vmul(dv, to_float(load_signed(scales + j))));
+  }
+  // weights k .. k + kLanes - 1
+  Vec weights(int k) const { return vmul(vset(scale[k / 16]), to_float(load_signed(q + k))); }
+};
+
+struct Q5Block {
   alignas(64) uint8_t q[kSuper];  // the codes, 0..31
-  for (int s = 0; s < 8; ++s) {
-    const uint8_t* nibbles = qs + 32 * (s / 2);
-    const int shift = 4 * (s & 1);
-    for (int l = 0; l < 32; ++l)
-      q[32 * s + l] = static_cast<uint8_t>(((nibbles[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4));
-  }
-  for (int s = 0; s < 8; ++s) {
-    const int low = s < 4 ? packed[s] & 63 : (packed[s + 4] & 15) | ((packed[s - 4] >> 6) << 4);
-    const int min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
-    const Vec scale = vset(d * static_cast<float>(low)), offset = vset(dmin * static_cast<float>(min));
-    for (int i = 0; i < 32; i += kLanes) {
-      const Vec v = rounded(vmul(scale, to_float(load_bytes(q + 32 * s + i))));
-      vstore(w + 32 * s + i, vsub(v, offset));
+  float scale[8], offset[8];      // d * sc and dmin * m, one per 32 weights
+  static constexpr int64_t kBytes = kQ5Bytes;
+
+  void read(const uint8_t* block) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t* packed = block + 4;
+    const uint8_t* qh = block + 16;
+    const uint8_t* qs = block + 48;
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t* nibbles = qs + 32 * (s / 2);
+      const int shift = 4 * (s & 1);
+      for (int l = 0; l < 32; ++l)
+        q[32 * s + l] =
+            static_cast<uint8_t>(((nibbles[l] >> shift) & 15) | (((qh[l] >> s) & 1) << 4));
+    }
+    for (int s = 0; s < 8; ++s) {
+      const int sc = s < 4 ? packed[s] & 63 : (packed[s + 4] & 15) | ((packed[s - 4] >> 6) << 4);
+      const int m = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
+      scale[s] = d * static_cast<float>(sc);
+      offset[s] = dmin * static_cast<float>(m);
     }
   }
-}
-
-using Decoder = void (*)(const uint8_t*, float*);
-
-// R input rows (x, ldx apart) times `count` decoded weights w, added to the rows' accumulators
-// (acc: R rows of kAcc * kLanes floats)
-template <int R>
-void chunk_dot(const float* w, const float* x, int64_t ldx, int64_t count, float* acc) {
-  Vec a[R][kAcc];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < kAcc; ++i) a[r][i] = vload(acc + (r * kAcc + i) * kLanes);
-  for (int64_t k = 0; k < count; k += kAcc * kLanes) {
-    for (int i = 0; i < kAcc; ++i) {
-      const Vec wv = vload(w + k + i * kLanes);
-      for (int r = 0; r < R; ++r) a[r][i] = vfma(wv, vload(x + r * ldx + k + i * kLanes), a[r][i]);
-    }
+  // weights k .. k + kLanes - 1: d * sc * q rounded before dmin * m is taken off, as the
+  // reference computes them
+  Vec weights(int k) const {
+    const Vec v = rounded(vmul(vset(scale[k / 32]), to_float(load_bytes(q + k))));
+    return vsub(v, vset(offset[k / 32]));
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < kAcc; ++i) vstore(acc + (r * kAcc + i) * kLanes, a[r][i]);
-}
+};
 
 // a row's kAcc * kLanes partial sums -> its sum, in a fixed order
-float reduce(const float* acc) {
-  float lanes[kLanes];
+float reduce(const Vec* acc) {
+  alignas(64) float lanes[kAcc * kLanes];
+  for (int i = 0; i < kAcc; ++i) vstore(lanes + i * kLanes, acc[i]);
   for (int l = 0; l < kLanes; ++l)
-    lanes[l] = (acc[l] + acc[kLanes + l]) + (acc[2 * kLanes + l] + acc[3 * kLanes + l]);
+    lanes[l] = (lanes[l] + lanes[kLanes + l]) + (lanes[2 * kLanes + l] + lanes[3 * kLanes + l]);
   for (int width = kLanes / 2; width > 0; width /= 2)
     for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
   return lanes[0];
+}
+
+// R input rows (x, ldx apart) times one output row's `count` super-blocks -> out (R values,
+// ldo apart). Each weight goes from its code to every row's accumulators without leaving
+// registers; a row's sums are the same whatever R.
+template <int R, typename B>
+void row_product(const uint8_t* row, int64_t count, const float* x, int64_t ldx, float* out,
+                 int64_t ldo) {
+  Vec acc[R][kAcc];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kAcc; ++i) acc[r][i] = vzero();
+  B block;
+  for (int64_t b = 0; b < count; ++b) {
+    block.read(row + b * B::kBytes);
+    const float* xb = x + b * kSuper;
+    for (int k = 0; k < kSuper; k += kAcc * kLanes) {
+#pragma GCC unroll 4
+      for (int i = 0; i < kAcc; ++i) {
+        const Vec w = block.weights(k + i * kLanes);
+        for (int r = 0; r < R; ++r)
+          acc[r][i] = vfma(w, vload(xb + r * ldx + k + i * kLanes), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce(acc[r]);
+}
+
+// every output row for every input row, output rows shared out among threads
+template <typename B>
+void run_rows(const float* x, int64_t rows, int64_t width, const uint8_t* blocks, int64_t n,
+              float* out) {
+  const int64_t count = width / kSuper, row_bytes = count * B::kBytes;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = blocks + j * row_bytes;
+      int64_t r = 0;
+      for (; r + kRows <= rows; r += kRows)
+        row_product<kRows, B>(row, count, x + r * width, width, out + r * n + j, n);
+      for (; r < rows; ++r) row_product<1, B>(row, count, x + r * width, width, out + r * n + j, n);
+    }
+  });
+}
+
+template <typename B>
+void dequantize_rows(const uint8_t* blocks, int64_t count, float* out) {
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    B block;
+    for (int64_t b = begin; b < end; ++b) {
+      block.read(blocks + b * B::kBytes);
+      for (int k = 0; k < kSuper; k += kLanes) vstore(out + b * kSuper + k, block.weights(k));
+    }
+  });
 }
 
 void check_blocks(const at::Tensor& blocks, int64_t kind, int64_t k, int64_t& block_bytes) {
@@ -199,32 +239,13 @@ at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   int64_t block_bytes = 0;
   check_blocks(blocks, kind, width, block_bytes);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // (M, K)
-  const float* xp = xf.data_ptr<float>();
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  const Decoder decode = kind == 6 ? decode_q6_k : decode_q5_k;
-  const int64_t row_blocks = width / kSuper, row_bytes = row_blocks * block_bytes;
-  constexpr int64_t kAccFloats = kAcc * kLanes;
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-    alignas(64) float w[kChunkBlocks * kSuper];
-    std::vector<float> acc(rows * kAccFloats);
-    for (int64_t j = begin; j < end; ++j) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const uint8_t* row = bp + j * row_bytes;
-      for (int64_t b0 = 0; b0 < row_blocks; b0 += kChunkBlocks) {
-        const int64_t count = std::min(kChunkBlocks, row_blocks - b0);
-        for (int64_t b = 0; b < count; ++b) decode(row + (b0 + b) * block_bytes, w + b * kSuper);
-        const float* xc = xp + b0 * kSuper;
-        int64_t r = 0;
-        for (; r + kRows <= rows; r += kRows)
-          chunk_dot<kRows>(w, xc + r * width, width, count * kSuper, acc.data() + r * kAccFloats);
-        for (; r < rows; ++r)
-          chunk_dot<1>(w, xc + r * width, width, count * kSuper, acc.data() + r * kAccFloats);
-      }
-      for (int64_t r = 0; r < rows; ++r) op[r * n + j] = reduce(acc.data() + r * kAccFloats);
-    }
-  });
+  if (kind == 6)
+    run_rows<Q6Block>(xf.data_ptr<float>(), rows, width, blocks.data_ptr<uint8_t>(), n,
+                      out.data_ptr<float>());
+  else
+    run_rows<Q5Block>(xf.data_ptr<float>(), rows, width, blocks.data_ptr<uint8_t>(), n,
+                      out.data_ptr<float>());
   return out;
 }
 
@@ -232,14 +253,13 @@ at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t kind, int64_t width) {
   int64_t block_bytes = 0;
   check_blocks(blocks, kind, width, block_bytes);
-  const int64_t n = blocks.size(0), row_blocks = width / kSuper;
+  const int64_t n = blocks.size(0);
   at::Tensor out = at::empty({n, width}, blocks.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  const Decoder decode = kind == 6 ? decode_q6_k : decode_q5_k;
-  at::parallel_for(0, n * row_blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) decode(bp + b * block_bytes, op + b * kSuper);
-  });
+  const int64_t count = n * (width / kSuper);
+  if (kind == 6)
+    dequantize_rows<Q6Block>(blocks.data_ptr<uint8_t>(), count, out.data_ptr<float>());
+  else
+    dequantize_rows<Q5Block>(blocks.data_ptr<uint8_t>(), count, out.data_ptr<float>());
   return out;
 }
 
