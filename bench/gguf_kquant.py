@@ -14,7 +14,10 @@ before it, which serves now only where the compiled kernels are not built). Each
 the resident memory a fresh process gains loading it and the load time (in a subprocess), the
 weights' bytes, single-stream greedy decode through the engine (a 64-token prompt, 128 new
 tokens, the best of --rounds rounds alternating the rows), and the largest difference of its
-logits over the prompt from the file's weights dequantized to float32.
+logits over the prompt from the file's weights dequantized to float32. Last, what the compiled
+kernels' absence would cost: one row through one of the file's FFN matrices, decoded by PyTorch
+(`KQuantLinear(compiled=False)`) against PyTorch's int8 kernel on its int8 rows (what a model
+loaded without the kernels runs), best of 20.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from bench.host import print_host  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import InferenceModel, load_for_inference  # noqa: E402
 from model.gguf.kquant_blocks import quantize  # noqa: E402
+from model.kquant_linear import KQuantLinear  # noqa: E402
+from model.quantize import Int8Linear, quantize_rows  # noqa: E402
 
 ROWS = ("own bits", "int8 rows")
 HIDDEN, LAYERS, FFN, HEADS, KV_HEADS, VOCAB = 1024, 8, 2816, 16, 4, 32000
@@ -182,6 +187,31 @@ def main() -> None:
         )
     same = next((i for i, (a, b) in enumerate(zip(*outputs.values())) if a != b), args.new_tokens)
     print(f"greedy tokens identical for the first {same} of {args.new_tokens}")
+    fallback_row(served["own bits"])
+
+
+def best_ms(module: torch.nn.Module, x: torch.Tensor, repeats: int = 20) -> float:
+    module(x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        module(x)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def fallback_row(own: InferenceModel) -> None:
+    """One row through the first FFN down matrix without the compiled kernels (docstring)."""
+    held = own.model.transformer.h[0].mlp.c_proj
+    pytorch = KQuantLinear(held.blocks, held.kind, held.in_features, compiled=False)
+    int8 = Int8Linear.from_rows(*quantize_rows(held.weight_rows()), tiled=False)
+    x = torch.randn(1, held.in_features, generator=torch.Generator().manual_seed(1))
+    decoded, rows = best_ms(pytorch, x), best_ms(int8, x)
+    print(
+        f"without the compiled kernels, one row through a {held.out_features} x "
+        f"{held.in_features} matrix: PyTorch decoding the {held.kind} blocks {decoded:.2f} ms, "
+        f"PyTorch's int8 kernel on int8 rows {rows:.2f} ms ({decoded / rows:.0f}x)"
+    )
 
 
 if __name__ == "__main__":

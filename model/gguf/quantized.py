@@ -141,10 +141,9 @@ def linear_module(
         groups = Int4Groups.concat([q8_0_split_groups(p.data, p.shape) for p in parts])
         return Int4Linear(groups, bias, dtype, input_copies=2)
     if kind in KQUANT_TYPES:
-        blocks = [np.array(p.data, np.uint8).reshape(p.shape[0], -1) for p in parts]  # copies
-        return KQuantLinear(
-            torch.from_numpy(np.concatenate(blocks)), kind, parts[0].shape[1], bias, dtype
-        )
+        rows = [np.asarray(p.data, np.uint8).reshape(p.shape[0], -1) for p in parts]
+        blocks = torch.from_numpy(np.concatenate(rows))  # a copy: the file's mapping is let go
+        return KQuantLinear(blocks, kind, parts[0].shape[1], bias, dtype)
     if kind == "int8":
         rows = [int8_rows(p) for p in parts]
         q, scales = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
