@@ -6,7 +6,7 @@ are the file's dequantized weights times the inputs in float32 (up to the order 
 
 - few rows (decoding): the compiled `kquant_matmul` (kernels/cpu/kquant_matmul.cpp, where
   `kernels.cpu.native` builds), which decodes each output row's blocks on the fly inside the dot
-  products, the rows of a call sharing one decoding, output rows shared out among threads; a
+  products, 4 input rows (2 on AVX2) sharing a decoding, output rows shared out among threads; a
   row's result is the same whatever the batch;
 - from `many_rows` rows on (prefill): the weights decoded to float32 `CHUNK_ELEMENTS` at a time
   (the compiled `kquant_dequantize`) and multiplied by a float32 matrix product
@@ -15,7 +15,8 @@ are the file's dequantized weights times the inputs in float32 (up to the order 
   keep_int8_kernel`);
 - where the compiled kernels are not built (`GPTSERVE_NATIVE=0`, no compiler), PyTorch decodes the
   weights (`model.gguf.kquant_blocks.dequantize`) and multiplies them so at every row count: the
-  same values, much slower per decoded token.
+  same values, much slower per decoded token (`model.gguf.quantized` loads int8 rows instead
+  there; `bench/gguf_kquant.py` measures both).
 
 Inference only: the buffers are not trainable.
 """

@@ -37,7 +37,7 @@ constexpr int64_t kQ6Bytes = 210;     // bytes of a Q6_K super-block
 constexpr int64_t kQ5Bytes = 176;     // bytes of a Q5_K super-block
 constexpr int kAcc = 4;               // independent accumulators a row keeps
 #if defined(__AVX512F__)
-constexpr int kRows = 4;  // input rows a pass over the decoded weights serves (32 registers)
+constexpr int kRows = 4;  // input rows a pass over a row's codes serves (32 registers)
 #else
 constexpr int kRows = 2;
 #endif
