@@ -58,9 +58,11 @@ def measure_load(path: Path, quantization: str, threads: int) -> dict[str, float
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def decode_seconds(engine: Engine, prompt: list[int]) -> tuple[float, list[int]]:
+def decode_seconds(
+    engine: Engine, prompt: list[int], new_tokens: int = NEW_TOKENS
+) -> tuple[float, list[int]]:
     """Seconds per new token after the first, and the tokens, for one greedy stream."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.add_request(f"r{time.perf_counter_ns()}", prompt, params)
     tokens: list[int] = []
     start = None

@@ -48,6 +48,7 @@ from model.activations import KERNEL_CODES, activate
 from model.cpu.isa import fast_bfloat16_products
 from model.gpt import GPT
 from model.int4_linear import Int4Linear
+from model.kquant_linear import KQuantLinear
 
 QUANTIZATIONS = ("none", "int8", "dequantize")
 K_MULTIPLE = 16  # input channels the CPU kernel reads at a time
@@ -285,15 +286,16 @@ def keep_int8_kernel(model: nn.Module) -> None:
     at every row count, so a row's result does not depend on how many rows are multiplied with
     it (batch invariance); a batch of `TILED_MANY_ROWS` (`MANY_ROWS` for PyTorch's kernel) rows
     and more is then slower where bfloat16 products are native (docs/RELIABILITY.md has the
-    cost)."""
+    cost). A GGUF file's Q5_K and Q6_K products (`KQuantLinear`) keep their few-row kernel so
+    too."""
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, (Int8Linear, KQuantLinear)):
             module.many_rows = None
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether the model holds int8 layers or a GGUF file's int4 ones."""
-    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    """Whether the model holds int8 layers or a GGUF file's low-bit ones."""
+    return any(isinstance(m, (Int8Linear, Int4Linear, KQuantLinear)) for m in model.modules())
 
 
 @torch.no_grad()

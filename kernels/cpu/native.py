@@ -11,6 +11,8 @@ These take one call each:
   written in the dtype of the product that follows (`model.cpu.optimize`);
 - `int4_matmul` (int4_matmul.cpp): products with int4 weights in groups of 32, a GGUF file's
   Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`);
+- `kquant_matmul` and `kquant_dequantize` (kquant_matmul.cpp): products with a GGUF file's Q5_K
+  and Q6_K blocks as the file stores them, and their weights in float32 (`model.kquant_linear`);
 - `f32_matmul` (f32_matmul.cpp): float32 products of a few rows, the matrix read as tiles of 32
   output columns (`model.cpu.few_rows_linear`);
 - `q8_matmul` (q8_matmul.cpp): int8 products, the rows quantized to 8 bits per block of 32 and
@@ -55,6 +57,7 @@ SOURCES = [
         "logit_stats.cpp",
         "decode_layer.cpp",
         "llama_layer.cpp",
+        "kquant_matmul.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h")]

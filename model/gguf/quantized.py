@@ -4,8 +4,12 @@
   (`model.gguf.blocks`);
 - Q8_0: `Int4Linear` too, each block exactly as two int4 groups (its high and low nibbles), so the
   products take the same kernel; a sixth more bytes than the file (the kernel's scale table);
-- Q5_K, Q6_K: `Int8Linear` (int8 rows, one scale each), requantized from the dequantized rows: not
-  exact, but finer than 4 bits would hold them (their 5- and 6-bit codes have no int4 form);
+- Q5_K, Q6_K: `KQuantLinear`, the file's super-blocks byte for byte (5.5 and 6.5625 bits a
+  weight, `model.gguf.kquant_blocks`), multiplied as the file's dequantized weights in float32 by
+  the compiled kernels (decoded inside the dot products for few rows, decoded to float32 for a
+  float32 product for many); where those kernels are not built, `Int8Linear` (int8 rows, one
+  scale each) requantized from the dequantized rows as before: not exact, but PyTorch decoding
+  the blocks at every product would be many times slower;
 - F32, F16, BF16: `nn.Linear` in the model's dtype, as `dequantized_state` gives them.
 
 The int4 products run in float32 with the file's scales exactly where the compiled CPU kernels
@@ -14,13 +18,14 @@ rows rounded to 8 bits per block (`model.quantize`).
 So the model is close to the float model, not equal to it: tests/model/gguf/test_gguf_lowbit.py
 measures how far (SmolLM2 over the first 512 tokens of Shakespeare: the top token is the float
 model's at every position with the compiled kernel, at 99.0% with PyTorch's; the loss within
-0.1%).
+0.1%; its FFN down matrices requantized to Q6_K or Q5_K, the same at their own bits).
 
 A joined matrix (q/k/v, gate/up) whose parts map to different modules (a Q4_K_M file keeps some
 V matrices in Q6_K) becomes a `StackedLinear` of the parts. A quantized token table is never held
 in memory: the embedding reads its rows from the file (`model.gguf.rows.FileRows`), and the
 output head (the table when tied) is the fast product above refined by those exact rows
-(`RefinedHead`). Norms, biases and position tables are small and become float.
+(`RefinedHead`), except a `KQuantLinear` head, whose products are the exact rows' already.
+Norms, biases and position tables are small and become float.
 
 The GPT's parameters are built on the meta device and each matrix is converted on its own, so no
 float copy of the model is ever made: the largest temporaries are one matrix's int32 codes before
@@ -40,12 +45,13 @@ from torch.overrides import TorchFunctionMode
 from model.config import ConfigError
 from model.gguf.blocks import INT4_TYPES, SPLIT_TYPES, Int4Groups, int4_groups, q8_0_split_groups
 from model.gguf.checkpoint import GGUFModel, RawTensor
+from model.gguf.kquant_blocks import KQUANT_TYPES
 from model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
 from model.gpt import GPT
 from model.int4_linear import Int4Linear
+from model.kquant_linear import KQuantLinear, kquant_compiled
 from model.quantize import Int8Linear, quantize_rows
 
-INT8_TYPES = ("Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROWS_AT_ONCE = 2048  # rows dequantized at a time on the way to int8
 
@@ -83,14 +89,14 @@ class _ParametersOnMeta(TorchFunctionMode):
 
 
 def family(kind: str) -> str:
-    """The module a GGML type maps to: "int4", "split" (int4, two groups a block), "int8" or
-    "float"."""
+    """The module a GGML type maps to: "int4", "split" (int4, two groups a block), "Q5_K" or
+    "Q6_K" (`KQuantLinear`, or "int8" where its compiled kernels are not built) or "float"."""
     if kind in INT4_TYPES:
         return "int4"
     if kind in SPLIT_TYPES:
         return "split"
-    if kind in INT8_TYPES:
-        return "int8"
+    if kind in KQUANT_TYPES:
+        return kind if kquant_compiled() else "int8"
     if kind in FLOAT_TYPES:
         return "float"
     raise ConfigError(f"GGML type {kind} has no low-bit module here")
@@ -134,6 +140,10 @@ def linear_module(
     if kind == "split":
         groups = Int4Groups.concat([q8_0_split_groups(p.data, p.shape) for p in parts])
         return Int4Linear(groups, bias, dtype, input_copies=2)
+    if kind in KQUANT_TYPES:
+        rows = [np.asarray(p.data, np.uint8).reshape(p.shape[0], -1) for p in parts]
+        blocks = torch.from_numpy(np.concatenate(rows))  # a copy: the file's mapping is let go
+        return KQuantLinear(blocks, kind, parts[0].shape[1], bias, dtype)
     if kind == "int8":
         rows = [int8_rows(p) for p in parts]
         q, scales = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
@@ -165,7 +175,10 @@ def _head(raw: RawTensor, rows: FileRows, dtype: torch.dtype) -> nn.Module:
     """A quantized output head, refined by its exact rows. A Q8_0 head's fast product is int8 rows
     (a fifth fewer bytes than two int4 groups a block, and faster for many rows): the refinement
     makes its top logits exact, and the others move by less than the bfloat16 kernels' rounding
-    matters (SmolLM2: the loss within 0.1% of the float head's)."""
+    matters (SmolLM2: the loss within 0.1% of the float head's). A Q5_K or Q6_K head held as its
+    blocks computes every logit from the exact rows: it is not refined."""
+    if family(raw.type) in KQUANT_TYPES:
+        return linear_module([raw], [None], dtype)
     if family(raw.type) == "split":
         fast: nn.Module = Int8Linear.from_rows(*int8_rows(raw), dtype=dtype)
     else:

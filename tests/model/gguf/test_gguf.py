@@ -11,6 +11,7 @@ import torch
 
 from model import CheckpointError, load_checkpoint
 from model.gguf.checkpoint import unpermute_rows
+from model.gguf.kquant_blocks import quantize
 from model.known_models import fetch_known_model
 from model.tokenizers import load_tokenizer
 
@@ -49,8 +50,10 @@ def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarr
         return w.astype(np.float32), None
     if kind == "F16":
         return w.astype(np.float16), None
-    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+    if kind == "Q4_K":
         return k_quant_bytes(Q[kind], *w.shape, rng), Q[kind]
+    if kind in ("Q5_K", "Q6_K"):  # the weights rounded to the format (our quantizer)
+        return quantize(w.astype(np.float32), kind), Q[kind]
     return gguf.quants.quantize(w.astype(np.float32), Q[kind]), Q[kind]
 
 

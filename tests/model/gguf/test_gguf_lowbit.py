@@ -24,9 +24,11 @@ from model.gguf.quantized import StackedLinear, linear_module
 from model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
 from model.int4_linear import Int4Linear
 from model.known_models import fetch_known_model
+from model.kquant_linear import KQuantLinear, kquant_compiled
 from model.quantize import Int8Linear, is_quantized, keep_int8_kernel, quantize_rows
 from model.tokenizers import load_tokenizer
 from tests.model.gguf.test_gguf import CASES, k_quant_bytes, write_gguf
+from tests.model.gguf.test_kquant_blocks import random_blocks
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -36,11 +38,12 @@ REPO = Path(__file__).resolve().parents[3]
 def quantized(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random (rows, cols) weights in GGML type `kind`, as the file's bytes."""
     rng = np.random.default_rng(seed)
-    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+    if kind in ("Q5_K", "Q6_K"):
+        return random_blocks(kind, rows, cols, seed)
+    if kind == "Q4_K":
         data = k_quant_bytes(Q[kind], rows, cols, rng)
-        if kind == "Q4_K":  # every scale and min of the sub-blocks, not only d and dmin
-            blocks = data.reshape(rows, -1, 144)
-            blocks[..., 4:16] = rng.integers(0, 256, size=blocks[..., 4:16].shape)
+        blocks = data.reshape(rows, -1, 144)  # every scale and min of the sub-blocks, not only d
+        blocks[..., 4:16] = rng.integers(0, 256, size=blocks[..., 4:16].shape)
         return data
     w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
     return gguf.quants.quantize(w, Q[kind])
@@ -103,13 +106,19 @@ def test_joined_parts_of_different_types_are_stacked() -> None:
     ]
     generator = torch.Generator().manual_seed(0)
     bias = [torch.randn(64, generator=generator), torch.randn(32, generator=generator)]
+    parts.append(RawTensor(quantized("Q5_K", 16, 256, seed=3), "Q5_K", (16, 256)))
+    bias.append(torch.randn(16, generator=generator))
     module = linear_module(parts, bias, torch.float32)
     assert isinstance(module, StackedLinear)
-    assert [type(p) for p in module.parts] == [Int4Linear, Int8Linear]
+    k_quant = KQuantLinear if kquant_compiled() else Int8Linear  # int8 rows without the kernels
+    assert [type(p) for p in module.parts] == [Int4Linear, k_quant, k_quant]
     weight = np.concatenate([dequantized(p.data, p.type, p.shape) for p in parts])
     x = torch.randn(4, 256, generator=generator)
-    ref = x @ torch.from_numpy(weight).t() + torch.cat(bias)
+    ref = x @ torch.from_numpy(weight).t() + torch.cat(bias)  # (4, 112)
+    assert module(x).shape == (4, 112)
     assert (module(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+    if kquant_compiled():  # the K-quant parts exactly the file's weights' products
+        torch.testing.assert_close(module(x)[:, 64:], ref[:, 64:], rtol=1e-5, atol=1e-5)
 
 
 def test_the_refined_head_gets_the_top_logits_exactly() -> None:
@@ -151,12 +160,14 @@ def test_small_files_at_their_bits_compute_the_float_model(
     path = tmp_path / f"{arch}-{kind}.gguf"
     write_gguf(path, arch, kind, tied=arch == "qwen3")
     low, ref = load_checkpoint(path, low_bit=True), load_checkpoint(path)
+    k_quant = KQuantLinear if kquant_compiled() else Int8Linear
     expected = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q4_K": Int4Linear, "Q8_0": Int4Linear,
-                "Q5_K": Int8Linear, "Q6_K": Int8Linear}.get(kind, nn.Linear)  # fmt: skip
+                "Q5_K": k_quant, "Q6_K": k_quant}.get(kind, nn.Linear)  # fmt: skip
     assert expected in module_kinds(low.transformer.h)
     if kind not in ("F32", "F16", "BF16"):
         assert isinstance(low.transformer.wte, RowsEmbedding)
-        assert isinstance(low.lm_head, RefinedHead)
+        head = KQuantLinear if k_quant is KQuantLinear and kind in ("Q5_K", "Q6_K") else RefinedHead
+        assert isinstance(low.lm_head, head)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, module in ref.named_modules():  # each product, Q and K rows in their order
@@ -166,8 +177,37 @@ def test_small_files_at_their_bits_compute_the_float_model(
         idx = torch.randint(0, 260, (2, 24), generator=generator)
         got, want = low(idx), ref(idx)
     assert got.shape == want.shape and got.dtype == torch.float32
-    if kind != "Q6_K":  # random Q6_K weights reach +-8: this model turns 0.7% into 15%
-        assert relative_error(got, want) < 3e-2
+    assert relative_error(got, want) < 3e-2
+    if expected is KQuantLinear:  # the file's weights exactly: float32 rounding apart
+        assert relative_error(got, want) < 1e-5
+
+
+K_QUANT_FILES = [("llama", "Q6_K"), ("llama", "Q5_K"), ("qwen3", "Q6_K")]  # qwen3: a tied head
+
+
+@pytest.mark.skipif(not kquant_compiled(), reason="int8 rows without the compiled kernels")
+@pytest.mark.parametrize(
+    ("arch", "kind"), K_QUANT_FILES, ids=[f"{a}-{k}" for a, k in K_QUANT_FILES]
+)
+def test_k_quant_files_at_their_bits_are_transformers_logits(
+    tmp_path: Path, arch: str, kind: str
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / f"{arch}-{kind}.gguf"
+    write_gguf(path, arch, kind, tied=arch == "qwen3")
+    low = load_checkpoint(path, low_bit=True)
+    held = [m for m in low.modules() if isinstance(m, KQuantLinear)]
+    assert len(held) == 2 * 4 + 1 and isinstance(low.lm_head, KQuantLinear)  # q/k/v joined
+    assert all(m.blocks.numel() == m.out_features * m.in_features // 256 * (210 if kind == "Q6_K" else 176) for m in held)  # fmt: skip
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    idx = torch.randint(0, 260, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(idx).logits
+        assert (low(idx) - want).abs().max().item() < 1e-4  # float32 rounding apart
+        decode = low(idx[:1, :3])  # three rows: the few-row kernel throughout
+        assert (decode - ref(idx[:1, :3]).logits).abs().max().item() < 1e-4
 
 
 def test_cpu_wing_leaves_low_bit_layers_alone(tmp_path: Path) -> None:
@@ -246,6 +286,46 @@ def test_smollm2_at_its_bits_agrees_with_its_float_weights(smollm2: Path) -> Non
     # near-ties move
     assert agreement >= 0.985
     assert gaps.max().item() <= 0.05  # each disagreement a near-tie of the float model's
+    assert abs(loss - float_loss) <= 0.01 * float_loss
+
+
+@pytest.mark.skipif(not kquant_compiled(), reason="int8 rows without the compiled kernels")
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_smollm2_with_k_quant_layers_at_their_bits_agrees_with_its_float_weights(
+    smollm2: Path, kind: str
+) -> None:
+    """SmolLM2's FFN down matrices (1536 inputs: whole super-blocks; its others have 576)
+    requantized to `kind`, at their own bits against the same file's weights in float32."""
+    from model.gguf.checkpoint import dequantized_state, read_gguf
+    from model.gguf.kquant_blocks import quantize
+    from model.gguf.quantized import build_low_bit_gpt, float_rows
+    from model.gpt import GPT
+
+    source = read_gguf(smollm2)
+    for name, raw in source.tensors.items():
+        if name.endswith("mlp.c_proj.weight"):
+            blocks = quantize(float_rows(raw).numpy(), kind)
+            source.tensors[name] = RawTensor(blocks, kind, raw.shape)
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:20000]
+    ids = torch.tensor([load_tokenizer("gguf", smollm2).encode(text)[:513]])
+    idx, targets = ids[:, :-1], ids[0, 1:]  # 512 positions
+    with torch.no_grad():
+        reference = GPT(source.config)
+        reference.load_state_dict(dequantized_state(source), strict=False)
+        want = reference.eval()(idx)[0]
+        served = optimize_for_cpu(build_low_bit_gpt(source, smollm2))
+        keep_int8_kernel(served)  # the head's rows as decode steps run theirs
+        assert sum(isinstance(m, KQuantLinear) for m in served.modules()) == 30
+        got = served(idx)[0]
+    choice = got.argmax(-1)
+    agreement = (choice == want.argmax(-1)).float().mean().item()
+    loss = torch.nn.functional.cross_entropy(got, targets).item()
+    float_loss = torch.nn.functional.cross_entropy(want, targets).item()
+    gaps = want.max(-1).values - want.gather(1, choice[:, None])[:, 0]  # (512,)
+    print(f"{kind}: top-1 agreement {agreement:.4f}, loss {loss:.4f} (float {float_loss:.4f}), "
+          f"largest float gap of a disagreement {gaps.max().item():.4f}")  # fmt: skip
+    assert agreement >= 0.985  # as the file's own layers (above): only near-ties may move
+    assert gaps.max().item() <= 0.05
     assert abs(loss - float_loss) <= 0.01 * float_loss
 
 
