@@ -108,7 +108,7 @@ class Scheduler:
             seq = self.waiting[0]
             reuses = _reuses_prefix(seq)
             if not self.blocks.holds(seq.seq_id) and reuses:
-                salt = seq.params.cache_salt
+                salt = seq.prefix_salt
                 seq.num_cached = self.blocks.reuse_prefix(seq.seq_id, seq.token_ids, salt)
             n = min(seq.pending, budget)
             need = self.blocks.blocks_needed(seq.seq_id, n)

@@ -7,7 +7,8 @@ bookkeeping is the engine's (`engine.block_manager`), which hands each step its
 `AttentionMetadata` and the block copies to make first (`copy_blocks`). A step's attention is
 `plan(meta)` once, then `attend(layer, ...)` per layer, or, where the step and the backend suit
 it, one of the declared one-call paths (`has_qkv_path` -> `attend_qkv`, `has_one_call_step` ->
-`one_call_step`). The pools hold the model's key/value heads only: with grouped-query attention,
+`one_call_step`), never while `module_forwards_only` is set (a step with LoRA adapter rows,
+whose updates run in the products' forwards). The pools hold the model's key/value heads only: with grouped-query attention,
 `group` query heads read each of them (`kernels.gqa`).
 """
 
@@ -61,6 +62,9 @@ class KVPools:
         # each layer's pools as views made once: indexing self.k per layer and step costs more
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.block_size = block_size
+        # True for a step whose model products must each run their own forward (a step with
+        # LoRA adapter rows: the update is applied there): no one-call path takes it
+        self.module_forwards_only = False
 
     @classmethod
     def for_model(
@@ -123,7 +127,9 @@ class KVPools:
         self, plan: AttentionPlan, qkv_dtype: torch.dtype, rope_dtype: torch.dtype | None
     ) -> bool:
         """Whether `attend_qkv` takes this step: a q/k/v product of `qkv_dtype` and rotary
-        tables of `rope_dtype` (None: no rotary positions)."""
+        tables of `rope_dtype` (None: no rotary positions); never under `module_forwards_only`."""
+        if self.module_forwards_only:
+            return False
         return self.backend.has_qkv_path(self.spec.dtype, plan, qkv_dtype, rope_dtype)
 
     def attend_qkv(
@@ -139,7 +145,10 @@ class KVPools:
         )
 
     def has_one_call_step(self, plan: AttentionPlan) -> bool:
-        """Whether this step suits the compiled one-call decode of a whole layer."""
+        """Whether this step suits the compiled one-call decode of a whole layer; never under
+        `module_forwards_only` (the one call reads the products' weights itself)."""
+        if self.module_forwards_only:
+            return False
         return self.backend.has_one_call_step(self.spec.dtype, plan)
 
     def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...]:

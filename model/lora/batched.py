@@ -1,0 +1,279 @@
+"""Many LoRA adapters in one batch: slots of adapters over a model's linear layers.
+
+`install_lora(model, max_loras, max_rank)` wraps each layer's four products (attention's
+`c_attn` and `c_proj`, the feed-forward block's `c_fc` and `c_proj`) in a `LoraLinear`, after
+quantization and the CPU wing's layouts, so the update applies over any kind of base product
+(float, oneDNN, tiles, int8, a GGUF file's int4 or stacked rows). It returns the `LoraBank`
+that holds the adapters in slots 0 .. max_loras - 1 and the current step's rows of each.
+
+Per step the engine names each packed row's slot (-1: the base, no update) with `set_step`;
+each wrapped product then computes, per adapter (never per row), on that adapter's rows only:
+
+    y[rows, lo:hi] += (x[rows] @ A.T) @ B.T
+
+where A (R, in) stacks the adapter's pieces of the layer (q, k, v of `c_attn`...) and B
+(hi - lo, R) holds each piece's `b`, times the adapter's scaling, at its output rows (zeros
+elsewhere): two small products and one indexed add per adapter and layer. The updates are
+computed in float32 (as PEFT computes them over a bfloat16 base) and added in the product's
+output dtype.
+
+A product that applies the activation itself (the CPU wing's `FusedMLP`: GELU inside the first
+feed-forward product) gets a twin without it, sharing its weights, for the steps its adapters
+update it: the update must come before the activation.
+
+Compiled paths that run a whole layer without calling its products' forwards would skip the
+update: a step with adapter rows must not take them (`LoraBank.active`; the engine's runner
+turns them off with `KVPools.module_forwards_only`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model.activations import KERNEL_CODES, activate
+from model.lora.adapter import LoraAdapter
+
+BASE_SLOT = -1  # a row without adapter
+
+
+class LoraShapeError(ValueError):
+    """An adapter that does not fit the base: a layer it lacks or a shape it does not have."""
+
+
+class LoraRankError(ValueError):
+    """An adapter whose rank is above the bank's `max_rank`."""
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """One adapter's update of one layer, packed for two products."""
+
+    a: torch.Tensor  # (R, in): every piece's a, stacked
+    b: torch.Tensor  # (hi - lo, R): each piece's b * scaling at its rows, zeros elsewhere
+    lo: int  # the first output row updated
+    hi: int  # past the last
+
+
+Rows = slice | torch.Tensor | None  # a slot's packed rows: all of them (None), a range, or indices
+
+
+class LoraBank:
+    """The adapter slots of one model and the rows each slot has in the current step."""
+
+    def __init__(self, layers: dict[str, LoraLinear], max_loras: int, max_rank: int) -> None:
+        self.layers = layers  # our layer name -> its wrapper
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.slots: list[LoraAdapter | None] = [None] * max_loras
+        self.groups: list[tuple[int, Rows]] = []  # this step's (slot, rows); [] when none
+
+    @property
+    def active(self) -> bool:
+        """Whether the current step has adapter rows (then no compiled one-call layer runs)."""
+        return bool(self.groups)
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """Raise LoraRankError or LoraShapeError (one line) if `adapter` cannot be loaded."""
+        ranks = [p.a.shape[0] for pieces in adapter.pieces.values() for p in pieces]
+        rank = max([adapter.rank, *ranks])
+        if rank > self.max_rank:
+            raise LoraRankError(
+                f"adapter {adapter.name!r} has rank {rank}, above --max-lora-rank {self.max_rank}"
+            )
+        if not adapter.pieces:
+            raise LoraShapeError(f"adapter {adapter.name!r} updates no layer")
+        for name, pieces in adapter.pieces.items():
+            layer = self.layers.get(name)
+            if layer is None:
+                raise LoraShapeError(
+                    f"adapter {adapter.name!r} updates {name}, which this model does not have "
+                    "(or cannot adapt)"
+                )
+            for p in pieces:
+                fits = (
+                    p.a.dim() == 2 and p.b.dim() == 2 and p.a.shape[1] == layer.in_features
+                    and p.b.shape[1] == p.a.shape[0] and 0 <= p.offset
+                    and p.offset + p.rows <= layer.out_features
+                )  # fmt: skip
+                if not fits:
+                    raise LoraShapeError(
+                        f"adapter {adapter.name!r} does not fit {name} of this model: a "
+                        f"{tuple(p.a.shape)}, b {tuple(p.b.shape)} at row {p.offset} over a "
+                        f"({layer.out_features}, {layer.in_features}) product"
+                    )
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put `adapter` (checked first) in `slot`, replacing what it held."""
+        self.check(adapter)
+        for name, layer in self.layers.items():
+            layer.weights[slot] = _pack(adapter, name, layer.device)
+        self.slots[slot] = adapter
+
+    def unload(self, slot: int) -> None:
+        """Empty `slot` (no step may name it afterwards)."""
+        for layer in self.layers.values():
+            layer.weights[slot] = None
+        self.slots[slot] = None
+
+    def set_step(self, row_slots: list[int], device: torch.device | str = "cpu") -> bool:
+        """Name the slot of each packed row of the next forward (BASE_SLOT: none); returns
+        whether any row has an adapter. Rows of one slot are grouped once here, for every layer."""
+        self.groups = []
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot != BASE_SLOT:
+                by_slot.setdefault(slot, []).append(row)
+        for slot, rows in by_slot.items():
+            if self.slots[slot] is None:
+                raise ValueError(f"no adapter is loaded in slot {slot}")
+            if len(rows) == len(row_slots):
+                self.groups.append((slot, None))
+            elif rows[-1] - rows[0] + 1 == len(rows):  # one run of rows: a view, no gather
+                self.groups.append((slot, slice(rows[0], rows[-1] + 1)))
+            else:
+                self.groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        return self.active
+
+    def clear_step(self) -> None:
+        self.groups = []
+
+
+def _pack(adapter: LoraAdapter, name: str, device: torch.device) -> SlotWeights | None:
+    """`adapter`'s pieces of layer `name` as one SlotWeights (None: it leaves the layer alone)."""
+    pieces = adapter.pieces.get(name)
+    if not pieces:
+        return None
+    lo = min(p.offset for p in pieces)
+    hi = max(p.offset + p.rows for p in pieces)
+    a = torch.cat([p.a.float() for p in pieces]).to(device)  # (R, in)
+    b = torch.zeros(hi - lo, a.shape[0], device=device)  # (hi - lo, R)
+    col = 0
+    for p in pieces:
+        r = p.a.shape[0]
+        b[p.offset - lo : p.offset - lo + p.rows, col : col + r] = p.b.float() * adapter.scaling
+        col += r
+    return SlotWeights(a.contiguous(), b.contiguous(), lo, hi)
+
+
+class LoraLinear(nn.Module):
+    """A product of the model (any kind) plus the current step's adapter updates of it.
+
+    Attributes it does not have are read from the base product (`op_dtype`, `out_dtype`...),
+    so code that asks the product what it takes still gets the base's answer.
+    """
+
+    def __init__(
+        self, base: nn.Module, in_features: int, out_features: int, bank_slots: int,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.base = base
+        # a base that applies an activation: the same product without it, and the activation
+        split = _split_activation(base)
+        pre, self.activation = split if split is not None else (None, "none")
+        self.add_module("pre", pre)  # a child even when None, for the forward's dict read
+        self.in_features, self.out_features = in_features, out_features
+        self.device = device
+        self.weights: list[SlotWeights | None] = [None] * bank_slots
+        self.bank: LoraBank | None = None  # set by install_lora
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.bank.groups
+        weights = self.weights
+        if not groups or all(weights[slot] is None for slot, _ in groups):
+            return self._modules["base"].forward(x)  # (..., out)
+        pre = self._modules["pre"]
+        y = (pre or self._modules["base"]).forward(x)  # (..., out), before any activation
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in): the step's packed rows
+        y2 = y.view(-1, y.shape[-1])  # (N, out), the same memory as y
+        for slot, rows in groups:
+            w = self.weights[slot]
+            if w is None:  # this adapter leaves this layer alone
+                continue
+            out = y2[:, w.lo : w.hi]  # (N, hi - lo), a view
+            if rows is None or isinstance(rows, slice):
+                xs = x2 if rows is None else x2[rows]  # (n, in)
+                delta = (xs.float() @ w.a.T) @ w.b.T  # (n, hi - lo)
+                (out if rows is None else out[rows]).add_(delta.to(y.dtype))
+            else:
+                xs = x2.index_select(0, rows).float()  # (n, in)
+                delta = (xs @ w.a.T) @ w.b.T  # (n, hi - lo)
+                out.index_add_(0, rows, delta.to(y.dtype))
+        return y if pre is None else activate(y, self.activation)
+
+
+_CODE_NAMES = {code: name for name, code in KERNEL_CODES.items()}
+_ONEDNN_NAMES = {"gelu": "gelu_tanh", "relu": "relu"}
+
+
+def _split_activation(product: nn.Module) -> tuple[nn.Module, str] | None:
+    """For a product that applies an activation to its outputs: a shallow copy of it (the same
+    weights) that does not, and the activation's name; None for any other product."""
+    act = getattr(product, "activation", None)
+    if isinstance(act, int) and act != 0:  # FewRowsLinear: the compiled kernel's code
+        name, none = _CODE_NAMES[act], 0
+    elif isinstance(act, str) and act != "none":  # Int8Linear
+        name, none = act, "none"
+    elif getattr(product, "attr", "none") != "none":  # OneDnnLinear: oneDNN's post-op
+        name, none = _ONEDNN_NAMES[product.attr], None
+    else:
+        return None
+    twin = copy.copy(product)
+    twin._modules = dict(product._modules)  # a copy's own children, the same weights
+    if none is None:
+        twin.attr, twin.algorithm = "none", ""
+    else:
+        twin.activation = none
+    for child_name, child in product._modules.items():  # FewRowsLinear's `many`
+        inner = _split_activation(child)
+        if inner is not None:
+            twin._modules[child_name] = inner[0]
+    return twin, name
+
+
+def _product_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(in, out) of each layer product an adapter may update, by its suffix."""
+    c = model.config
+    q_width, kv_width = c.n_head * c.head_dim, c.kv_heads * c.head_dim
+    fc_rows = (2 if c.activation == "swiglu" else 1) * c.mlp_width
+    return {
+        "attn.c_attn": (c.n_embd, q_width + 2 * kv_width),
+        "attn.c_proj": (q_width, c.n_embd),
+        "mlp.c_fc": (c.n_embd, fc_rows),
+        "mlp.c_proj": (c.mlp_width, c.n_embd),
+    }
+
+
+def install_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoraBank:
+    """Wrap `model`'s layer products in `LoraLinear`s sharing one new `LoraBank` of
+    `max_loras` slots, in place; returns the bank. Run it after quantization and
+    `optimize_for_cpu` (it wraps whatever product each layer then has)."""
+    if max_loras < 1 or max_rank < 1:
+        raise ValueError("max_loras and max_rank must be at least 1")
+    device = next(model.parameters()).device
+    shapes = _product_shapes(model)
+    layers: dict[str, LoraLinear] = {}
+    for i, block in enumerate(model.transformer.h):
+        for suffix, (n_in, n_out) in shapes.items():
+            parent_name, _, child = suffix.partition(".")
+            parent = getattr(block, parent_name)
+            base = getattr(parent, child)
+            if isinstance(base, LoraLinear):
+                raise ValueError("the model already has LoRA slots")
+            wrapper = LoraLinear(base, n_in, n_out, max_loras, device)
+            setattr(parent, child, wrapper)
+            layers[f"transformer.h.{i}.{suffix}"] = wrapper
+    bank = LoraBank(layers, max_loras, max_rank)
+    for wrapper in layers.values():
+        wrapper.bank = bank
+    return bank
