@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.errors import RequestError
+from model.config import ModelConfig
 from model.lora.adapter import LoraAdapter
 from model.lora.batched import LoraBank, LoraRankError, LoraShapeError
+from model.lora.peft_format import AdapterError as PeftFormatError
+from model.lora.peft_format import read_peft
 
 # the kinds of refusal (`AdapterError.code`)
 NOT_FOUND = "lora_not_found"
@@ -29,6 +33,26 @@ BAD_PATH = "lora_path_invalid"
 
 class AdapterError(RequestError):
     """An adapter that cannot be loaded, unloaded or used; `code` says why (NOT_FOUND ...)."""
+
+
+def read_adapter(path: str | Path, config: ModelConfig, name: str) -> LoraAdapter:
+    """The PEFT adapter directory `path` for a base of `config`, named `name`; raises
+    AdapterError (BAD_PATH: no adapter there, or files it cannot read; BASE_MISMATCH: the
+    adapter's modules or shapes are not the base's)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise AdapterError(f"no adapter directory at {str(path)!r}", "lora_path", BAD_PATH)
+    try:
+        adapter = read_peft(directory, config)
+    except PeftFormatError as exc:
+        text = str(exc).splitlines()[0] if str(exc) else "the adapter cannot be read"
+        mismatch = "another base model" in text or "no module of" in text
+        raise AdapterError(text, "lora_path", BASE_MISMATCH if mismatch else BAD_PATH) from None
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"cannot read the adapter at {str(path)!r}: {exc}", "lora_path",
+                           BAD_PATH) from None  # fmt: skip
+    adapter.name = name
+    return adapter
 
 
 @dataclass

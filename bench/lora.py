@@ -1,0 +1,162 @@
+"""What LoRA adapters cost a decode step: adapter rows against base rows, in the same run.
+
+    GPTSERVE_CACHE=/tmp/gc python bench/lora.py            # the default model (SmolLM2-135M GGUF)
+    python bench/lora.py --model PATH --rank 8 --rounds 5
+    python bench/lora.py --random                          # a random Llama of SmolLM2-135M's shape
+
+The model loads as `python -m server` loads it (`load_for_inference`: a GGUF file at its own
+bits, the CPU wing), gets `--max-loras` LoRA slots (`model.lora.batched.install_lora`, as
+`--lora` gives them) holding 4 random adapters of rank `--rank` on every projection (q, k, v, o,
+gate, up, down). Each case prefills its streams (random prompts of `--prompt-len` tokens), warms
+up, then times `--steps` decode steps; the cases take turns for `--rounds` rounds and each keeps
+its best, so a slow spell on a shared machine falls on all of them. Cases:
+
+- base, no slots: the model as served without --lora (the wrappers taken out);
+- base: the same streams with the slots installed (what --lora costs requests of the base);
+- adapters: the same streams over the 4 adapters, in turn (16 streams: 4 each).
+
+The table gives ms per step, tokens/s and each case's cost against "base" in the same run;
+goals: 16 streams over 4 adapters at most 30 % slower than 16 base streams, one adapter stream
+at most 15 % slower than one base stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.host import print_host  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import load_for_inference, prepare_for_inference  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
+from model.known_models import resolve_model  # noqa: E402
+from model.lora.adapter import LoraAdapter, LoraPiece  # noqa: E402
+from model.lora.batched import LoraBank, install_lora  # noqa: E402
+from model.tokenizers import get_tokenizer  # noqa: E402
+
+# SmolLM2-135M's shape, for --random
+SMOLLM2_135M = dict(
+    vocab_size=49152, block_size=2048, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+    intermediate_size=1536, bias=False, tie_embeddings=True, pos_encoding="rotary",
+    norm="rmsnorm", activation="swiglu", rope_theta=100000.0,
+)  # fmt: skip
+
+
+def random_adapter(config: ModelConfig, name: str, rank: int, seed: int) -> LoraAdapter:
+    """An adapter of every projection (q, k, v of c_attn; o; gate and up of c_fc; down)."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    width, gated = config.mlp_width, config.activation == "swiglu"
+
+    def piece(n_in: int, rows: int, offset: int = 0) -> LoraPiece:
+        return LoraPiece(torch.randn(rank, n_in, generator=g) * 0.01,
+                         torch.randn(rows, rank, generator=g) * 0.01, offset)  # fmt: skip
+
+    pieces = {}
+    for i in range(config.n_layer):
+        h, c = f"transformer.h.{i}", config.n_embd
+        pieces[f"{h}.attn.c_attn"] = [piece(c, q), piece(c, kv, q), piece(c, kv, q + kv)]
+        pieces[f"{h}.attn.c_proj"] = [piece(q, c)]
+        fc = [piece(c, width), piece(c, width, width)] if gated else [piece(c, width)]
+        pieces[f"{h}.mlp.c_fc"] = fc
+        pieces[f"{h}.mlp.c_proj"] = [piece(width, c)]
+    return LoraAdapter(name, rank, 2.0 * rank, 2.0, pieces)
+
+
+def swap_wrappers(model: GPT, bank: LoraBank, wrapped: bool) -> None:
+    """Put the slots' wrappers in (wrapped) or take them out (the products as served)."""
+    for name, wrapper in bank.layers.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, wrapper if wrapped else wrapper.base)
+
+
+def time_case(engine: Engine, loras: list[str | None], args: argparse.Namespace) -> float:
+    """Seconds per decode step of len(loras) streams, stream i with adapter loras[i]."""
+    gen = torch.Generator().manual_seed(len(loras))
+    vocab = engine.model.config.vocab_size
+    for i, lora in enumerate(loras):
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+        params = SamplingParams(
+            temperature=0, max_tokens=args.steps + 8, ignore_eos=True, lora=lora
+        )
+        engine.add_request(str(i), prompt, params)
+    while engine.num_waiting:  # prefill every stream
+        engine.step()
+    for _ in range(4):  # warm-up
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    seconds = (time.perf_counter() - t0) / args.steps
+    while engine.has_work():
+        engine.step()
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="as `python -m server --model` (default: its)")
+    p.add_argument("--random", action="store_true", help="a random Llama of SmolLM2-135M's shape")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per case")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_host()
+    if args.random:
+        torch.manual_seed(0)
+        model, tokenizer = prepare_for_inference(GPT(ModelConfig(**SMOLLM2_135M))), get_tokenizer()
+        what = "random Llama of SmolLM2-135M's shape, float32"
+    else:
+        path = resolve_model(args.model, warn=print)
+        loaded = load_for_inference(path, device="cpu")
+        model, tokenizer = loaded.model, loaded.tokenizer
+        what = f"{path.name}, {loaded.quantization}, {loaded.dtype}"
+    bank = install_lora(model, 4, max(64, args.rank))
+    total = args.prompt_len + args.steps + 16
+    config = EngineConfig(
+        max_num_seqs=args.streams, kv_block_size=16, prefix_caching=False,
+        num_blocks=args.streams * -(-total // 16) + 8,
+    )  # fmt: skip
+    engine = Engine(model, tokenizer, config, lora=bank)
+    names = [f"lora{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        engine.adapters.load(name, random_adapter(model.config, name, args.rank, seed=i))
+    n = args.streams
+    cases = {  # label -> (streams' adapters, slots installed)
+        f"{n} streams, base, no slots": ([None] * n, False),
+        f"{n} streams, base": ([None] * n, True),
+        f"{n} streams over 4 adapters": ([names[i % 4] for i in range(n)], True),
+        "1 stream, base, no slots": ([None], False),
+        "1 stream, base": ([None], True),
+        "1 stream, 1 adapter": ([names[0]], True),
+    }
+    best = {label: float("inf") for label in cases}
+    for _ in range(args.rounds):
+        for label, (loras, wrapped) in cases.items():
+            swap_wrappers(model, bank, wrapped)
+            best[label] = min(best[label], time_case(engine, loras, args))
+    swap_wrappers(model, bank, True)
+    print(f"\n{what}; adapters of rank {args.rank} on q, k, v, o, gate, up, down; "
+          f"{torch.get_num_threads()} threads; best of {args.rounds} rounds of {args.steps} "
+          f"decode steps")  # fmt: skip
+    print(f"{'case':32}{'ms/step':>9}{'tok/s':>9}{'vs base':>9}")
+    for label, (loras, _) in cases.items():
+        base = best[f"{len(loras)} stream{'s' if len(loras) > 1 else ''}, base"]
+        ms = best[label] * 1e3
+        print(f"{label:32}{ms:9.2f}{len(loras) / best[label]:9.1f}{best[label] / base - 1:+9.1%}")
+
+
+if __name__ == "__main__":
+    main()
