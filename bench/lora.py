@@ -1,13 +1,15 @@
 """What LoRA adapters cost a decode step: adapter rows against base rows, in the same run.
 
     GPTSERVE_CACHE=/tmp/gc python bench/lora.py            # the default model (SmolLM2-135M GGUF)
-    python bench/lora.py --model PATH --rank 8 --rounds 5
+    python bench/lora.py --targets all --lora-dtype bfloat16   # every projection, half the bytes
+    python bench/lora.py --model PATH --rank 8 --rounds 5 --threads 1
     python bench/lora.py --random                          # a random Llama of SmolLM2-135M's shape
 
 The model loads as `python -m server` loads it (`load_for_inference`: a GGUF file at its own
-bits, the CPU wing), gets `--max-loras` LoRA slots (`model.lora.batched.install_lora`, as
-`--lora` gives them) holding 4 random adapters of rank `--rank` on every projection (q, k, v, o,
-gate, up, down). Each case prefills its streams (random prompts of `--prompt-len` tokens), warms
+bits, the CPU wing), gets 4 LoRA slots (`model.lora.batched.install_lora`, as `--lora` gives
+them) holding 4 random adapters of rank `--rank` (16) on q and v (`--targets qv`, PEFT's default
+for the Llama family) or on every projection (`--targets all`), in float32 (as PEFT computes
+them) or bfloat16 (`--lora-dtype`). Each case prefills its streams (random prompts of `--prompt-len` tokens), warms
 up, then times `--steps` decode steps; the cases take turns for `--rounds` rounds and each keeps
 its best, so a slow spell on a shared machine falls on all of them. Cases:
 
@@ -15,7 +17,9 @@ its best, so a slow spell on a shared machine falls on all of them. Cases:
 - base: the same streams with the slots installed (what --lora costs requests of the base);
 - adapters: the same streams over the 4 adapters, in turn (16 streams: 4 each).
 
-The table gives ms per step, tokens/s and each case's cost against "base" in the same run;
+The table gives wall ms per step, tokens/s, the process's CPU ms per step and each case's cost
+against "base" in the same run, by CPU time (what the step computes: on a machine others share,
+with `--threads 1`, it moves far less than the wall clock) and by wall time;
 goals: 16 streams over 4 adapters at most 30 % slower than 16 base streams, one adapter stream
 at most 15 % slower than one base stream.
 """
@@ -49,8 +53,17 @@ SMOLLM2_135M = dict(
 )  # fmt: skip
 
 
-def random_adapter(config: ModelConfig, name: str, rank: int, seed: int) -> LoraAdapter:
-    """An adapter of every projection (q, k, v of c_attn; o; gate and up of c_fc; down)."""
+TARGETS = {
+    "qv": ("q", "v"),  # PEFT's default target_modules for the Llama family
+    "all": ("q", "k", "v", "o", "gate", "up", "down"),
+}
+
+
+def random_adapter(
+    config: ModelConfig, name: str, rank: int, seed: int, targets: tuple[str, ...]
+) -> LoraAdapter:
+    """An adapter of the projections `targets` names (q, k, v of c_attn; o; gate and up of
+    c_fc; down)."""
     g = torch.Generator().manual_seed(seed)
     q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     width, gated = config.mlp_width, config.activation == "swiglu"
@@ -59,14 +72,20 @@ def random_adapter(config: ModelConfig, name: str, rank: int, seed: int) -> Lora
         return LoraPiece(torch.randn(rank, n_in, generator=g) * 0.01,
                          torch.randn(rows, rank, generator=g) * 0.01, offset)  # fmt: skip
 
-    pieces = {}
+    pieces: dict[str, list[LoraPiece]] = {}
     for i in range(config.n_layer):
         h, c = f"transformer.h.{i}", config.n_embd
-        pieces[f"{h}.attn.c_attn"] = [piece(c, q), piece(c, kv, q), piece(c, kv, q + kv)]
-        pieces[f"{h}.attn.c_proj"] = [piece(q, c)]
-        fc = [piece(c, width), piece(c, width, width)] if gated else [piece(c, width)]
-        pieces[f"{h}.mlp.c_fc"] = fc
-        pieces[f"{h}.mlp.c_proj"] = [piece(width, c)]
+        where = {  # projection -> (layer, inputs, rows, first row)
+            "q": ("attn.c_attn", c, q, 0), "k": ("attn.c_attn", c, kv, q),
+            "v": ("attn.c_attn", c, kv, q + kv), "o": ("attn.c_proj", q, c, 0),
+            "gate": ("mlp.c_fc", c, width, 0), "up": ("mlp.c_fc", c, width, width if gated else 0),
+            "down": ("mlp.c_proj", width, c, 0),
+        }  # fmt: skip
+        for target in targets:
+            layer, n_in, rows, offset = where[target]
+            if target == "gate" and not gated:
+                continue
+            pieces.setdefault(f"{h}.{layer}", []).append(piece(n_in, rows, offset))
     return LoraAdapter(name, rank, 2.0 * rank, 2.0, pieces)
 
 
@@ -77,8 +96,11 @@ def swap_wrappers(model: GPT, bank: LoraBank, wrapped: bool) -> None:
         setattr(model.get_submodule(parent_name), child, wrapper if wrapped else wrapper.base)
 
 
-def time_case(engine: Engine, loras: list[str | None], args: argparse.Namespace) -> float:
-    """Seconds per decode step of len(loras) streams, stream i with adapter loras[i]."""
+def time_case(
+    engine: Engine, loras: list[str | None], args: argparse.Namespace
+) -> tuple[float, float]:
+    """Wall and CPU (the process's) seconds per decode step of len(loras) streams, stream i
+    with adapter loras[i]."""
     gen = torch.Generator().manual_seed(len(loras))
     vocab = engine.model.config.vocab_size
     for i, lora in enumerate(loras):
@@ -91,13 +113,13 @@ def time_case(engine: Engine, loras: list[str | None], args: argparse.Namespace)
         engine.step()
     for _ in range(4):  # warm-up
         engine.step()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         engine.step()
-    seconds = (time.perf_counter() - t0) / args.steps
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     while engine.has_work():
         engine.step()
-    return seconds
+    return wall / args.steps, cpu / args.steps
 
 
 def main() -> None:
@@ -105,6 +127,14 @@ def main() -> None:
     p.add_argument("--model", default=None, help="as `python -m server --model` (default: its)")
     p.add_argument("--random", action="store_true", help="a random Llama of SmolLM2-135M's shape")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument(
+        "--targets",
+        choices=TARGETS,
+        default="qv",
+        help="qv: q_proj and v_proj (PEFT's default for Llama); all: every projection",
+    )
+    p.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the adapters' weights and products (as `python -m server --lora-dtype`)")  # fmt: skip
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per case")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -123,7 +153,7 @@ def main() -> None:
         loaded = load_for_inference(path, device="cpu")
         model, tokenizer = loaded.model, loaded.tokenizer
         what = f"{path.name}, {loaded.quantization}, {loaded.dtype}"
-    bank = install_lora(model, 4, max(64, args.rank))
+    bank = install_lora(model, 4, max(64, args.rank), getattr(torch, args.lora_dtype))
     total = args.prompt_len + args.steps + 16
     config = EngineConfig(
         max_num_seqs=args.streams, kv_block_size=16, prefix_caching=False,
@@ -132,7 +162,8 @@ def main() -> None:
     engine = Engine(model, tokenizer, config, lora=bank)
     names = [f"lora{i}" for i in range(4)]
     for i, name in enumerate(names):
-        engine.adapters.load(name, random_adapter(model.config, name, args.rank, seed=i))
+        adapter = random_adapter(model.config, name, args.rank, i, TARGETS[args.targets])
+        engine.adapters.load(name, adapter)
     n = args.streams
     cases = {  # label -> (streams' adapters, slots installed)
         f"{n} streams, base, no slots": ([None] * n, False),
@@ -142,20 +173,24 @@ def main() -> None:
         "1 stream, base": ([None], True),
         "1 stream, 1 adapter": ([names[0]], True),
     }
-    best = {label: float("inf") for label in cases}
+    wall = {label: float("inf") for label in cases}
+    cpu = dict(wall)
     for _ in range(args.rounds):
         for label, (loras, wrapped) in cases.items():
             swap_wrappers(model, bank, wrapped)
-            best[label] = min(best[label], time_case(engine, loras, args))
+            w, c = time_case(engine, loras, args)
+            wall[label], cpu[label] = min(wall[label], w), min(cpu[label], c)
     swap_wrappers(model, bank, True)
-    print(f"\n{what}; adapters of rank {args.rank} on q, k, v, o, gate, up, down; "
+    print(f"\n{what}; adapters of rank {args.rank} on {', '.join(TARGETS[args.targets])}, "
+          f"{args.lora_dtype}; "
           f"{torch.get_num_threads()} threads; best of {args.rounds} rounds of {args.steps} "
           f"decode steps")  # fmt: skip
-    print(f"{'case':32}{'ms/step':>9}{'tok/s':>9}{'vs base':>9}")
+    print(f"{'case':32}{'wall ms':>9}{'tok/s':>8}{'CPU ms':>9}{'vs base':>9}{'(wall)':>9}")
     for label, (loras, _) in cases.items():
-        base = best[f"{len(loras)} stream{'s' if len(loras) > 1 else ''}, base"]
-        ms = best[label] * 1e3
-        print(f"{label:32}{ms:9.2f}{len(loras) / best[label]:9.1f}{best[label] / base - 1:+9.1%}")
+        base = f"{len(loras)} stream{'s' if len(loras) > 1 else ''}, base"
+        print(f"{label:32}{wall[label] * 1e3:9.2f}{len(loras) / wall[label]:8.1f}"
+              f"{cpu[label] * 1e3:9.2f}{cpu[label] / cpu[base] - 1:+9.1%}"
+              f"{wall[label] / wall[base] - 1:+9.1%}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from engine.adapters import AdapterError, read_adapter
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
@@ -97,14 +99,16 @@ def load_model(settings: Settings) -> LoadedModel:
     name = settings.served_model_name or ("shakespeare" if fell_back else known) or loaded.name
     served = LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
     if settings.serves_lora:
-        add_lora_slots(served, settings)
+        add_lora_slots(served, settings, loaded.dtype)
     return served
 
 
-def add_lora_slots(loaded: LoadedModel, settings: Settings) -> None:
+def add_lora_slots(loaded: LoadedModel, settings: Settings, model_dtype: torch.dtype) -> None:
     """Give the loaded (optimized) model its LoRA slots and read --lora's adapters into
-    `loaded`, each checked against the slots (rank, shapes); raises ModelLoadError."""
-    loaded.lora = install_lora(loaded.model, settings.max_loras, settings.max_lora_rank)
+    `loaded`, each checked against the slots (rank, shapes); raises ModelLoadError.
+    `model_dtype`: the model's activations' (what --lora-dtype auto means)."""
+    dtype = DTYPES.get(settings.lora_dtype, model_dtype)
+    loaded.lora = install_lora(loaded.model, settings.max_loras, settings.max_lora_rank, dtype)
     for name, directory in settings.lora_modules.items():
         if name == loaded.name:
             raise ModelLoadError(f"--lora {name}: the served model already has that name")

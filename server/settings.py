@@ -198,6 +198,12 @@ class Settings:
         64, "the largest LoRA rank an adapter may have (a larger one is refused when it loads)",
         group="engine", low=1, high=1024,
     )  # fmt: skip
+    lora_dtype: str = flag(
+        "auto", "the LoRA adapters' weights and products; auto: the model's dtype (float32 on a "
+        "CPU, as PEFT computes adapters); bfloat16 reads half the bytes a decode step spends on "
+        "them, at bfloat16's rounding of the updates", group="engine",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )  # fmt: skip
     enable_lora_loading: bool = flag(
         False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's: load and "
         "unload adapters while serving); off: 404", group="engine",

@@ -11,11 +11,13 @@ each wrapped product then computes, per adapter (never per row), on that adapter
 
     y[rows, lo:hi] += (x[rows] @ A.T) @ B.T
 
-where A (R, in) stacks the adapter's pieces of the layer (q, k, v of `c_attn`...) and B
-(hi - lo, R) holds each piece's `b`, times the adapter's scaling, at its output rows (zeros
-elsewhere): two small products and one indexed add per adapter and layer. The updates are
-computed in float32 (as PEFT computes them over a bfloat16 base) and added in the product's
-output dtype.
+where A (R, in) stacks the adapter's pieces of the layer (q, k, v of `c_attn`...) and each
+piece's B (its rows, its r), times the adapter's scaling, adds into its own output rows: one
+product for x @ A.T, one per piece after it, per adapter and layer (no zero blocks: a decode step
+reads the adapter's weights, and their bytes are its cost). Rows of one adapter that form one
+run (the scheduler groups decodes by adapter) are views; scattered ones are gathered and added
+back by index. The updates are computed in float32 by default (as PEFT computes them, even over a
+bfloat16 base; `dtype` bfloat16 halves the bytes) and added in the product's output dtype.
 
 A product that applies the activation itself (the CPU wing's `FusedMLP`: GELU inside the first
 feed-forward product) gets a twin without it, sharing its weights, for the steps its adapters
@@ -48,14 +50,15 @@ class LoraRankError(ValueError):
     """An adapter whose rank is above the bank's `max_rank`."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SlotWeights:
-    """One adapter's update of one layer, packed for two products."""
+    """One adapter's update of one layer, packed for its products (transposed views, as the
+    products take them): x @ a_t once for every piece, then each piece's b into its rows."""
 
-    a: torch.Tensor  # (R, in): every piece's a, stacked
-    b: torch.Tensor  # (hi - lo, R): each piece's b * scaling at its rows, zeros elsewhere
-    lo: int  # the first output row updated
-    hi: int  # past the last
+    a_t: torch.Tensor  # (in, R): every piece's a, stacked, transposed
+    # per piece: its columns [c0, c1) of x @ a_t, its output rows [lo, hi), b_t (c1 - c0, hi - lo)
+    # (its b times the adapter's scaling)
+    pieces: tuple[tuple[int, int, int, int, torch.Tensor], ...]
 
 
 Rows = slice | torch.Tensor | None  # a slot's packed rows: all of them (None), a range, or indices
@@ -64,10 +67,14 @@ Rows = slice | torch.Tensor | None  # a slot's packed rows: all of them (None), 
 class LoraBank:
     """The adapter slots of one model and the rows each slot has in the current step."""
 
-    def __init__(self, layers: dict[str, LoraLinear], max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, layers: dict[str, LoraLinear], max_loras: int, max_rank: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
         self.layers = layers  # our layer name -> its wrapper
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.dtype = dtype  # the adapters' weights and products
         self.slots: list[LoraAdapter | None] = [None] * max_loras
         self.groups: list[tuple[int, Rows]] = []  # this step's (slot, rows); [] when none
 
@@ -110,7 +117,7 @@ class LoraBank:
         """Put `adapter` (checked first) in `slot`, replacing what it held."""
         self.check(adapter)
         for name, layer in self.layers.items():
-            layer.weights[slot] = _pack(adapter, name, layer.device)
+            layer.weights[slot] = _pack(adapter, name, layer.device, self.dtype)
         self.slots[slot] = adapter
 
     def unload(self, slot: int) -> None:
@@ -142,21 +149,21 @@ class LoraBank:
         self.groups = []
 
 
-def _pack(adapter: LoraAdapter, name: str, device: torch.device) -> SlotWeights | None:
+def _pack(
+    adapter: LoraAdapter, name: str, device: torch.device, dtype: torch.dtype
+) -> SlotWeights | None:
     """`adapter`'s pieces of layer `name` as one SlotWeights (None: it leaves the layer alone)."""
     pieces = adapter.pieces.get(name)
     if not pieces:
         return None
-    lo = min(p.offset for p in pieces)
-    hi = max(p.offset + p.rows for p in pieces)
-    a = torch.cat([p.a.float() for p in pieces]).to(device)  # (R, in)
-    b = torch.zeros(hi - lo, a.shape[0], device=device)  # (hi - lo, R)
-    col = 0
+    a = torch.cat([p.a.float() for p in pieces]).to(device, dtype)  # (R, in)
+    packed, col = [], 0
     for p in pieces:
         r = p.a.shape[0]
-        b[p.offset - lo : p.offset - lo + p.rows, col : col + r] = p.b.float() * adapter.scaling
+        b = (p.b.float() * adapter.scaling).to(device, dtype)  # (rows, r)
+        packed.append((col, col + r, p.offset, p.offset + p.rows, b.contiguous().T))
         col += r
-    return SlotWeights(a.contiguous(), b.contiguous(), lo, hi)
+    return SlotWeights(a.contiguous().T, tuple(packed))
 
 
 class LoraLinear(nn.Module):
@@ -189,26 +196,33 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.bank.groups
-        weights = self.weights
-        if not groups or all(weights[slot] is None for slot, _ in groups):
+        if not groups:
             return self._modules["base"].forward(x)  # (..., out)
+        weights = self.weights
+        work = [(w, rows) for slot, rows in groups if (w := weights[slot]) is not None]
+        if not work:  # the step's adapters leave this layer alone
+            return self._modules["base"].forward(x)
         pre = self._modules["pre"]
         y = (pre or self._modules["base"]).forward(x)  # (..., out), before any activation
         x2 = x.reshape(-1, x.shape[-1])  # (N, in): the step's packed rows
+        if x2.dtype != self.bank.dtype:
+            x2 = x2.to(self.bank.dtype)
         y2 = y.view(-1, y.shape[-1])  # (N, out), the same memory as y
-        for slot, rows in groups:
-            w = self.weights[slot]
-            if w is None:  # this adapter leaves this layer alone
-                continue
-            out = y2[:, w.lo : w.hi]  # (N, hi - lo), a view
-            if rows is None or isinstance(rows, slice):
-                xs = x2 if rows is None else x2[rows]  # (n, in)
-                delta = (xs.float() @ w.a.T) @ w.b.T  # (n, hi - lo)
-                (out if rows is None else out[rows]).add_(delta.to(y.dtype))
-            else:
-                xs = x2.index_select(0, rows).float()  # (n, in)
-                delta = (xs @ w.a.T) @ w.b.T  # (n, hi - lo)
-                out.index_add_(0, rows, delta.to(y.dtype))
+        in_place = y.dtype == self.bank.dtype  # the second products add into y themselves
+        for w, rows in work:
+            if rows is None or isinstance(rows, slice):  # all rows, or one run: views
+                h = torch.mm(x2 if rows is None else x2[rows], w.a_t)  # (n, R)
+                for c0, c1, lo, hi, b_t in w.pieces:
+                    out = y2[:, lo:hi] if rows is None else y2[rows, lo:hi]  # (n, rows)
+                    if in_place:
+                        out.addmm_(h[:, c0:c1], b_t)
+                    else:
+                        out.add_(torch.mm(h[:, c0:c1], b_t).to(y.dtype))
+            else:  # scattered rows: gathered, then added back by index
+                h = torch.mm(x2.index_select(0, rows), w.a_t)  # (n, R)
+                for c0, c1, lo, hi, b_t in w.pieces:
+                    delta = torch.mm(h[:, c0:c1], b_t)  # (n, rows)
+                    y2[:, lo:hi].index_add_(0, rows, delta if in_place else delta.to(y.dtype))
         return y if pre is None else activate(y, self.activation)
 
 
@@ -254,10 +268,13 @@ def _product_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
-def install_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoraBank:
+def install_lora(
+    model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype | None = None
+) -> LoraBank:
     """Wrap `model`'s layer products in `LoraLinear`s sharing one new `LoraBank` of
     `max_loras` slots, in place; returns the bank. Run it after quantization and
-    `optimize_for_cpu` (it wraps whatever product each layer then has)."""
+    `optimize_for_cpu` (it wraps whatever product each layer then has). `dtype`: the adapters'
+    weights and products (None: float32, as PEFT computes them; bfloat16 reads half the bytes)."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError("max_loras and max_rank must be at least 1")
     device = next(model.parameters()).device
@@ -273,7 +290,7 @@ def install_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoraBank:
             wrapper = LoraLinear(base, n_in, n_out, max_loras, device)
             setattr(parent, child, wrapper)
             layers[f"transformer.h.{i}.{suffix}"] = wrapper
-    bank = LoraBank(layers, max_loras, max_rank)
+    bank = LoraBank(layers, max_loras, max_rank, dtype or torch.float32)
     for wrapper in layers.values():
         wrapper.bank = bank
     return bank

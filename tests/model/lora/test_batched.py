@@ -110,3 +110,22 @@ def test_adapters_that_do_not_fit_are_refused_in_one_line() -> None:
     bank.check(adapter)  # the one that fits
     with pytest.raises(ValueError, match="no adapter is loaded in slot 1"):
         bank.set_step([1])
+
+
+def test_bfloat16_adapters_are_the_update_to_bfloat16_rounding() -> None:
+    model = _model("llama")
+    served = prepare_for_inference(copy.deepcopy(model))
+    bank = install_lora(served, 2, 8, dtype=torch.bfloat16)
+    adapter = random_adapter(model.config, "a")
+    bank.load(1, adapter)
+    bank.set_step([1, -1, 1])
+    for name, wrapper in bank.layers.items():
+        rows = torch.randn(3, wrapper.in_features)
+        got, base = wrapper(rows), wrapper.base(rows)
+        assert got.dtype == base.dtype == torch.float32
+        torch.testing.assert_close(got[1], base[1])  # the base row is untouched
+        for i in (0, 2):
+            want = _expected(base[i], rows[i], adapter, name)
+            delta = (want - base[i].double()).abs().max()
+            assert (got[i].double() - want).abs().max() <= 0.02 * delta + 1e-3
+            assert not torch.equal(got[i], base[i])
