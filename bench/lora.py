@@ -1,7 +1,7 @@
 """What LoRA adapters cost a decode step: adapter rows against base rows, in the same run.
 
     GPTSERVE_CACHE=/tmp/gc python bench/lora.py            # the default model (SmolLM2-135M GGUF)
-    python bench/lora.py --targets all --lora-dtype bfloat16   # every projection, half the bytes
+    python bench/lora.py --targets all                     # every projection, not only q and v
     python bench/lora.py --model PATH --rank 8 --rounds 5 --threads 1
     python bench/lora.py --random                          # a random Llama of SmolLM2-135M's shape
 

@@ -99,15 +99,16 @@ def load_model(settings: Settings) -> LoadedModel:
     name = settings.served_model_name or ("shakespeare" if fell_back else known) or loaded.name
     served = LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
     if settings.serves_lora:
-        add_lora_slots(served, settings, loaded.dtype)
+        cpu = loaded.device.type == "cpu"
+        add_lora_slots(served, settings, torch.float32 if cpu else loaded.dtype)
     return served
 
 
-def add_lora_slots(loaded: LoadedModel, settings: Settings, model_dtype: torch.dtype) -> None:
+def add_lora_slots(loaded: LoadedModel, settings: Settings, auto_dtype: torch.dtype) -> None:
     """Give the loaded (optimized) model its LoRA slots and read --lora's adapters into
     `loaded`, each checked against the slots (rank, shapes); raises ModelLoadError.
-    `model_dtype`: the model's activations' (what --lora-dtype auto means)."""
-    dtype = DTYPES.get(settings.lora_dtype, model_dtype)
+    `auto_dtype`: the adapters' dtype for --lora-dtype auto."""
+    dtype = DTYPES.get(settings.lora_dtype, auto_dtype)
     loaded.lora = install_lora(loaded.model, settings.max_loras, settings.max_lora_rank, dtype)
     for name, directory in settings.lora_modules.items():
         if name == loaded.name:

@@ -199,10 +199,9 @@ class Settings:
         group="engine", low=1, high=1024,
     )  # fmt: skip
     lora_dtype: str = flag(
-        "auto", "the LoRA adapters' weights and products; auto: the model's dtype (float32 on a "
-        "CPU, as PEFT computes adapters); bfloat16 reads half the bytes a decode step spends on "
-        "them, at bfloat16's rounding of the updates", group="engine",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        "auto", "the LoRA adapters' weights and products; auto: float32 on a CPU (as PEFT "
+        "computes adapters; PyTorch's bfloat16 products of a few rows are slower there), the "
+        "model's dtype on a GPU", group="engine", choices=("auto", "float32", "bfloat16", "float16"),
     )  # fmt: skip
     enable_lora_loading: bool = flag(
         False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's: load and "

@@ -1,6 +1,7 @@
 """Many LoRA adapters in one batch: each row's greedy tokens and logprobs are those of its own
 adapter (our float adapter math: the adapter merged into a copy of the float weights), on the
-CPU paged backend with the model optimized as the server does, and on the SDPA gather backend;
+CPU paged backend with the model optimized as the server does, on the SDPA gather backend and
+on the Triton kernels (in the interpreter);
 requests of an unloaded adapter finish first; no prefix block is shared across adapters."""
 
 from __future__ import annotations
@@ -41,12 +42,21 @@ def base(request: pytest.FixtureRequest, tok) -> GPT:
     return GPT(_config(request.param, tok.vocab_size)).eval()
 
 
-def _engine(model: GPT, tok, adapters, max_loras: int = 4, sdpa: bool = False, **kw) -> Engine:
+def _engine(
+    model: GPT, tok, adapters, max_loras: int = 4, backend: str = "cpu-paged", **kw
+) -> Engine:
     served = prepare_for_inference(copy.deepcopy(model))  # the CPU wing, as the server loads
     bank = install_lora(served, max_loras, 16)
     engine = Engine(served, tok, EngineConfig(kv_block_size=8, **kw), lora=bank)
-    if sdpa:  # the gather + SDPA backend instead of the CPU paged one
-        pools = KVPools.for_model(served, engine.pools.num_blocks, 8, backend=SdpaGatherBackend())
+    if backend != "cpu-paged":  # another attention backend than the CPU paged one
+        if backend == "triton":
+            pytest.importorskip("triton")
+            from kernels import TritonBackend
+
+            attention = TritonBackend()
+        else:
+            attention = SdpaGatherBackend()
+        pools = KVPools.for_model(served, engine.pools.num_blocks, 8, backend=attention)
         engine.pools = engine.runner.pools = pools
     for adapter in adapters:
         engine.adapters.load(adapter.name, adapter)
@@ -75,10 +85,12 @@ def _params(lora: str | None) -> SamplingParams:
     )
 
 
-@pytest.mark.parametrize("sdpa", [False, True], ids=["cpu-paged", "sdpa"])
-def test_a_mixed_batch_gives_each_row_its_adapters_tokens(base: GPT, tok, sdpa: bool) -> None:
+@pytest.mark.parametrize("backend", ["cpu-paged", "sdpa", "triton"])
+def test_a_mixed_batch_gives_each_row_its_adapters_tokens(base: GPT, tok, backend: str) -> None:
+    if backend == "triton" and base.config.activation != "swiglu":
+        pytest.skip("the Triton interpreter is slow: one model (Llama-shaped) runs it")
     adapters = {n: random_adapter(base.config, n, seed=i) for i, n in enumerate("abc")}
-    engine = _engine(base, tok, adapters.values(), sdpa=sdpa)
+    engine = _engine(base, tok, adapters.values(), backend=backend)
     prompts = _prompts(tok, len(ROW_ADAPTERS))
     for i, (ids, name) in enumerate(zip(prompts, ROW_ADAPTERS)):
         engine.add_request(str(i), ids, _params(name))
