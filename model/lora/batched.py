@@ -16,8 +16,9 @@ piece's B (its rows, its r), times the adapter's scaling, adds into its own outp
 product for x @ A.T, one per piece after it, per adapter and layer (no zero blocks: a decode step
 reads the adapter's weights, and their bytes are its cost). Rows of one adapter that form one
 run (the scheduler groups decodes by adapter) are views; scattered ones are gathered and added
-back by index. The updates are computed in float32 by default (as PEFT computes them, even over a
-bfloat16 base; `dtype` bfloat16 halves the bytes) and added in the product's output dtype.
+back by index. The updates are computed in float32 by default (as PEFT computes them, even over
+a bfloat16 base; `dtype` bfloat16 halves the bytes, a gain on a GPU: on a CPU PyTorch's bfloat16
+products of a few rows are slower) and added in the product's output dtype.
 
 A product that applies the activation itself (the CPU wing's `FusedMLP`: GELU inside the first
 feed-forward product) gets a twin without it, sharing its weights, for the steps its adapters
