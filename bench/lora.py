@@ -13,8 +13,9 @@ them) or bfloat16 (`--lora-dtype`). Each case prefills its streams (random promp
 up, then times `--steps` decode steps; the cases take turns for `--rounds` rounds and each keeps
 its best, so a slow spell on a shared machine falls on all of them. Cases:
 
-- base, no slots: the model as served without --lora (the wrappers taken out);
-- base: the same streams with the slots installed (what --lora costs requests of the base);
+- base, no slots: the model as served without --lora (no wrappers in place);
+- base: the same streams with the adapters loaded (what --lora costs requests of the base: the
+  products an adapter updates are wrapped);
 - adapters: the same streams over the 4 adapters, in turn (16 streams: 4 each).
 
 The table gives wall ms per step, tokens/s, the process's CPU ms per step and each case's cost
@@ -42,7 +43,7 @@ from engine.sampler import SamplingParams  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.known_models import resolve_model  # noqa: E402
 from model.lora.adapter import LoraAdapter, LoraPiece  # noqa: E402
-from model.lora.batched import LoraBank, install_lora  # noqa: E402
+from model.lora.batched import install_lora  # noqa: E402
 from model.tokenizers import get_tokenizer  # noqa: E402
 
 # SmolLM2-135M's shape, for --random
@@ -87,13 +88,6 @@ def random_adapter(
                 continue
             pieces.setdefault(f"{h}.{layer}", []).append(piece(n_in, rows, offset))
     return LoraAdapter(name, rank, 2.0 * rank, 2.0, pieces)
-
-
-def swap_wrappers(model: GPT, bank: LoraBank, wrapped: bool) -> None:
-    """Put the slots' wrappers in (wrapped) or take them out (the products as served)."""
-    for name, wrapper in bank.layers.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, wrapper if wrapped else wrapper.base)
 
 
 def time_case(
@@ -177,10 +171,10 @@ def main() -> None:
     cpu = dict(wall)
     for _ in range(args.rounds):
         for label, (loras, wrapped) in cases.items():
-            swap_wrappers(model, bank, wrapped)
+            bank.place_wrappers(None if wrapped else False)
             w, c = time_case(engine, loras, args)
             wall[label], cpu[label] = min(wall[label], w), min(cpu[label], c)
-    swap_wrappers(model, bank, True)
+    bank.place_wrappers()
     print(f"\n{what}; adapters of rank {args.rank} on {', '.join(TARGETS[args.targets])}, "
           f"{args.lora_dtype}; "
           f"{torch.get_num_threads()} threads; best of {args.rounds} rounds of {args.steps} "

@@ -115,17 +115,29 @@ class LoraBank:
                     )
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put `adapter` (checked first) in `slot`, replacing what it held."""
+        """Put `adapter` (checked first) in `slot`, replacing what it held. Not during a
+        forward (the engine loads between steps)."""
         self.check(adapter)
         for name, layer in self.layers.items():
             layer.weights[slot] = _pack(adapter, name, layer.device, self.dtype)
         self.slots[slot] = adapter
+        self.place_wrappers()
 
     def unload(self, slot: int) -> None:
-        """Empty `slot` (no step may name it afterwards)."""
+        """Empty `slot` (no step may name it afterwards); not during a forward."""
         for layer in self.layers.values():
             layer.weights[slot] = None
         self.slots[slot] = None
+        self.place_wrappers()
+
+    def place_wrappers(self, wrapped: bool | None = None) -> None:
+        """Put each product's wrapper in its place in the model where a loaded adapter updates
+        that product, the product itself elsewhere; `wrapped` True or False: every wrapper, or
+        none (the model as it was: a benchmark's baseline)."""
+        for layer in self.layers.values():
+            parent, child = layer.place
+            on = any(w is not None for w in layer.weights) if wrapped is None else wrapped
+            setattr(parent, child, layer if on else layer.base)
 
     def set_step(self, row_slots: list[int], device: torch.device | str = "cpu") -> bool:
         """Name the slot of each packed row of the next forward (BASE_SLOT: none); returns
@@ -188,6 +200,7 @@ class LoraLinear(nn.Module):
         self.device = device
         self.weights: list[SlotWeights | None] = [None] * bank_slots
         self.bank: LoraBank | None = None  # set by install_lora
+        self.place: tuple[nn.Module, str] | None = None  # (parent module, attribute), likewise
 
     def __getattr__(self, name: str):
         try:
@@ -272,12 +285,16 @@ def _product_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
 def install_lora(
     model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype | None = None
 ) -> LoraBank:
-    """Wrap `model`'s layer products in `LoraLinear`s sharing one new `LoraBank` of
-    `max_loras` slots, in place; returns the bank. Run it after quantization and
+    """Make `model`'s layer products adaptable: a `LoraLinear` for each, sharing one new
+    `LoraBank` of `max_loras` slots (also `model.lora_slots`); returns the bank. A wrapper takes
+    its product's place while a loaded adapter updates that product (`LoraBank.place_wrappers`),
+    so the base's steps pay nothing for slots no adapter uses. Run it after quantization and
     `optimize_for_cpu` (it wraps whatever product each layer then has). `dtype`: the adapters'
     weights and products (None: float32, as PEFT computes them; bfloat16 reads half the bytes)."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError("max_loras and max_rank must be at least 1")
+    if getattr(model, "lora_slots", None) is not None:
+        raise ValueError("the model already has LoRA slots")
     device = next(model.parameters()).device
     shapes = _product_shapes(model)
     layers: dict[str, LoraLinear] = {}
@@ -286,12 +303,11 @@ def install_lora(
             parent_name, _, child = suffix.partition(".")
             parent = getattr(block, parent_name)
             base = getattr(parent, child)
-            if isinstance(base, LoraLinear):
-                raise ValueError("the model already has LoRA slots")
             wrapper = LoraLinear(base, n_in, n_out, max_loras, device)
-            setattr(parent, child, wrapper)
+            wrapper.place = (parent, child)  # a tuple: not a child module (no cycle)
             layers[f"transformer.h.{i}.{suffix}"] = wrapper
     bank = LoraBank(layers, max_loras, max_rank, dtype or torch.float32)
     for wrapper in layers.values():
         wrapper.bank = bank
+    model.lora_slots = bank
     return bank

@@ -129,3 +129,22 @@ def test_bfloat16_adapters_are_the_update_to_bfloat16_rounding() -> None:
             delta = (want - base[i].double()).abs().max()
             assert (got[i].double() - want).abs().max() <= 0.02 * delta + 1e-3
             assert not torch.equal(got[i], base[i])
+
+
+def test_a_wrapper_is_in_place_only_while_an_adapter_updates_its_product() -> None:
+    model = _model("llama")
+    served = prepare_for_inference(copy.deepcopy(model))
+    products = {n: served.get_submodule(n) for n in install_lora(served, 2, 8).layers}
+    bank = served.lora_slots
+    assert all(served.get_submodule(n) is p for n, p in products.items())  # nothing loaded
+    attn_only = random_adapter(model.config, "a")
+    attn_only.pieces = {n: ps for n, ps in attn_only.pieces.items() if "attn" in n}
+    bank.load(1, attn_only)
+    for name, product in products.items():
+        now = served.get_submodule(name)
+        assert (now is bank.layers[name]) == ("attn" in name)
+        assert bank.layers[name].base is product
+    bank.unload(1)
+    assert all(served.get_submodule(n) is p for n, p in products.items())
+    with pytest.raises(ValueError, match="already has LoRA slots"):
+        install_lora(served, 2, 8)
