@@ -14,6 +14,8 @@ import torch
 from engine.engine import Engine, EngineConfig
 from engine.loader import prepare_for_inference
 from engine.sampler import SamplingParams
+from kernels import SdpaGatherBackend
+from kernels.paged_kv import KVPools
 from model import GPT, get_tokenizer, load_checkpoint
 from model.lora.adapter import LoraAdapter
 from model.lora.batched import install_lora
@@ -54,9 +56,12 @@ def _peft_adapters(kind: str, base_dir: Path, tmp: Path) -> dict[str, Path]:
     return dirs
 
 
-def _serve(served: GPT, adapters: dict[str, LoraAdapter]) -> Engine:
+def _serve(served: GPT, adapters: dict[str, LoraAdapter], sdpa: bool = False) -> Engine:
     bank = install_lora(served, 4, 16)
     engine = Engine(served, get_tokenizer(), EngineConfig(kv_block_size=4), lora=bank)
+    if sdpa:  # the gather + SDPA attention instead of the CPU paged one
+        pools = KVPools.for_model(served, engine.pools.num_blocks, 4, backend=SdpaGatherBackend())
+        engine.pools = engine.runner.pools = pools
     for name, adapter in adapters.items():
         engine.adapters.load(name, adapter)
     return engine
@@ -111,14 +116,18 @@ def _check_within(results, prompts, oracles, tol: float) -> None:
         assert lps == pytest.approx(chosen.tolist(), abs=tol), name
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_mixed_batch_is_pefts_each_row(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "sdpa"),
+    [("gpt2", False), ("llama", False), ("llama", True)],
+    ids=["gpt2-cpu-paged", "llama-cpu-paged", "llama-sdpa"],
+)
+def test_a_mixed_batch_is_pefts_each_row(kind: str, sdpa: bool, tmp_path: Path) -> None:
     make_hf(kind, tmp_path / "base")
     dirs = _peft_adapters(kind, tmp_path / "base", tmp_path)
     served = prepare_for_inference(load_checkpoint(tmp_path / "base"))
     adapters = {n: read_peft(d, served.config) for n, d in dirs.items()}
     prompts = _prompts(len(ROW_ADAPTERS))
-    results = _run_mixed(_serve(served, adapters), prompts)
+    results = _run_mixed(_serve(served, adapters, sdpa), prompts)
     import transformers
 
     oracles = {None: transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()}
