@@ -2,6 +2,7 @@
 
     errors       TrainError, the one error a user can fix
     config       TrainConfig, every setting of a run, frozen once built
+    lora         LoRA runs: trainable low-rank pairs in a frozen model, and out of it
     distributed  ranks under torchrun; parts run on rank 0 or on every rank
     state        train_state.pt and the served checkpoints on disk
     metrics      metrics.jsonl and loss.png

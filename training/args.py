@@ -7,11 +7,15 @@
     torchrun --nproc_per_node 2 train.py --data ... --out ...  # DistributedDataParallel
     python train.py --arch llama --data ... --out ...          # a Llama-shaped model
     python train.py --init-from DIR --data ... --out ...       # fine-tune DIR (ours or HF)
+    python train.py --init-from DIR --lora-rank 8 --data ... --out ...  # a LoRA adapter on DIR
 
 Writes into DIR: config.json + model.safetensors (last), best/ (lowest validation loss),
 train_state.pt (everything --resume needs, full fp32 weights included), metrics.jsonl, loss.png
 and cache/ (the tokenized data); a model with its own tokenizer also gets its tokenizer.json
-(and tokenizer_config.json, generation_config.json, chat_template.jinja). See docs/TRAINING.md.
+(and tokenizer_config.json, generation_config.json, chat_template.jinja). A LoRA run writes a
+PEFT adapter instead of the model (adapter_config.json + adapter_model.safetensors, in DIR and
+best/) and keeps only the adapter in train_state.pt; --merge adds DIR/merged, a servable
+checkpoint of the base with the adapter added in. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from model.dtypes import DTYPES
+from model.lora.peft_format import CONFIG_FILE as ADAPTER_FILE
 from training.checkpointing import STATE_FILE, read_saved_flags
 from training.config import (
     ARCH_KEYS,
     ARCHS,
     GPT2_ONLY_KEYS,
     LLAMA_ONLY_KEYS,
+    LORA_KEYS,
     PATH_KEYS,
     TrainConfig,
     field_names,
@@ -45,6 +51,10 @@ def _resume_mode(text: str) -> str:
     if text != "auto":
         raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', got {text!r}")
     return text
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a checkpoint dir (ours, or Hugging Face GPT-2, Llama, Mistral, Qwen2, "
         "Qwen3): its architecture and tokenizer",
     )
+    lo = p.add_argument_group("LoRA: train an adapter on the frozen --init-from model")
+    lo.add_argument("--lora-rank", type=int, help="train a LoRA adapter of this rank")
+    lo.add_argument("--lora-alpha", type=float, help="scaling is alpha / rank (default 2 x rank)")
+    lo.add_argument(
+        "--lora-targets",
+        type=_targets,
+        help="comma-separated projections among q,k,v,o,gate,up,down, or 'all' (default: q,v "
+        "for the Llama family, q,k,v (c_attn) for GPT-2)",
+    )
+    lo.add_argument("--lora-dropout", type=float, help="dropout on the adapter's input (default 0)")
+    lo.add_argument(
+        "--merge",
+        action="store_true",
+        help="also write OUT/merged: a checkpoint of the base with the adapter added in",
+    )
     o = p.add_argument_group("optimization")
     for name in ("--batch-size", "--grad-accum", "--warmup-steps"):
         o.add_argument(name, type=int)
@@ -134,6 +159,8 @@ def _check_out_is_free(out: Path) -> None:
         held = "a run"
     elif (out / "config.json").is_file():
         held = "a model"
+    elif (out / ADAPTER_FILE).is_file():
+        held = "an adapter"
     else:
         return
     raise TrainError(
@@ -150,6 +177,20 @@ def _check_arch_flags(given: dict[str, Any]) -> None:
         if key in given:
             need = "--arch llama" if arch == "gpt2" else "--arch gpt2"
             raise TrainError(f"--{flag(key)} needs {need} (this run is --arch {arch})")
+
+
+def _same_lora(given: dict[str, Any], saved: dict[str, Any]) -> str:
+    """A LoRA run's --resume keeps its adapter's shape, scaling and base: the saved base."""
+    for key in LORA_KEYS:
+        was, now = saved.get(key), given.get(key)
+        if key == "init_from" and now is not None:
+            now = str(Path(now).resolve())
+        if key in given and now != was:
+            raise TrainError(
+                f"--out {given['out']} holds a LoRA run with {key}={was}; --resume cannot change "
+                f"it to {now}"
+            )
+    return saved["init_from"]
 
 
 def parse_config(argv: list[str] | None) -> TrainConfig:
@@ -180,7 +221,16 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
                 )
         settings.update({k: v for k, v in saved.items() if k in field_names()})
         settings["init_from"] = None  # the weights come from the training state
+        if saved.get("lora_rank"):  # but a LoRA run's base stays where it was
+            settings["init_from"] = _same_lora(given, saved)
+        elif given.get("lora_rank"):
+            raise TrainError(
+                f"--out {given['out']} holds a full training run; --lora-rank cannot be added on "
+                f"--resume (train an adapter on it with --init-from {given['out']} --out NEW_DIR)"
+            )
     elif given.get("init_from"):
+        if given.get("lora_rank"):  # the adapter names its base; --resume reloads it from there
+            given["init_from"] = str(Path(given["init_from"]).resolve())
         clash = [k for k in ARCH_KEYS if k in given and k != "block_size"]
         if clash:
             raise TrainError(

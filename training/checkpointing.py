@@ -12,10 +12,15 @@ import torch
 
 from model import GPT, save_checkpoint
 from model.checkpoint import atomic_write
+from model.lora.adapter import LoraPiece
+from model.lora.peft_format import write_peft
+from training.config import TrainConfig
 from training.errors import TrainError
+from training.lora import adapter_of, lora_state, merge_lora
 
 STATE_FILE = "train_state.pt"
 BEST_DIR = "best"
+MERGED_DIR = "merged"  # a LoRA run's --merge: the base with the adapter added in
 # What a checkpoint with its own tokenizer ("hf") needs beside its weights to be served: the
 # files model/tokenizers/hf.py and server/chat/templates.py read, those that exist.
 TOKENIZER_FILES = (
@@ -73,6 +78,45 @@ def save_served(
         save_checkpoint(copy.to(dtype), path)
     for name, data in (extra_files or {}).items():
         atomic_write(path / name, lambda tmp, d=data: Path(tmp).write_bytes(d))
+
+
+def save_outputs(
+    model: GPT,
+    cfg: TrainConfig,
+    path: Path,
+    dtype: torch.dtype,
+    extra_files: dict[str, bytes] | None = None,
+) -> None:
+    """A checkpoint of the run into `path`: the served model (`save_served`), or for a LoRA run
+    its PEFT adapter, whose base_model_name_or_path is the --init-from base."""
+    if cfg.lora_rank is None:
+        save_served(model, path, dtype, extra_files)
+        return
+    adapter = adapter_of(model, cfg.out.name, cfg.lora_rank, cfg.alpha, str(cfg.init_from))
+    for layer, pieces in adapter.pieces.items():
+        adapter.pieces[layer] = [
+            LoraPiece(a=p.a.to(dtype), b=p.b.to(dtype), offset=p.offset) for p in pieces
+        ]
+    write_peft(adapter, path, model.config, adapter.base, dropout=cfg.lora_dropout)
+
+
+def model_state(model: GPT, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """What train_state.pt keeps of the model: its weights, or a LoRA run's pairs only."""
+    if cfg.lora_rank is not None:
+        return lora_state(model)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def save_merged(
+    model: GPT, cfg: TrainConfig, dtype: torch.dtype, extra_files: dict[str, bytes]
+) -> Path:
+    """--merge: the adapter added into the base's weights, saved in OUT/merged as a servable
+    checkpoint (with the tokenizer files). The model's LoRA layers are unwrapped for good."""
+    assert cfg.lora_rank is not None
+    adapter = adapter_of(model, cfg.out.name, cfg.lora_rank, cfg.alpha, str(cfg.init_from))
+    merge_lora(model, adapter)
+    save_served(model, cfg.out / MERGED_DIR, dtype, extra_files)
+    return cfg.out / MERGED_DIR
 
 
 def rng_state() -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from model import ConfigError, ModelConfig
+from model.lora.modules import TARGETS
 from training.errors import TrainError
 
 # The fields that make two runs the same model; --resume cannot change them, and --init-from
@@ -31,6 +32,9 @@ ARCHS = ("gpt2", "llama")
 GPT2_ONLY_KEYS = ("pos_encoding", "activation", "norm_position")  # GPT-2's variants
 LLAMA_ONLY_KEYS = ("n_kv_head", "rope_theta", "qk_norm")
 DEFAULT_BLOCK_SIZE = 256
+LORA_TARGETS = (*TARGETS, "all")
+# what --resume cannot change of a LoRA run: the adapter's shape, its scaling and its base
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "init_from")
 PATH_KEYS = ("data", "out", "cache_dir", "init_from")
 POSITIVE_KEYS = (
     "max_steps",
@@ -46,6 +50,7 @@ POSITIVE_KEYS = (
     "n_kv_head",
     "head_size",
     "intermediate_size",
+    "lora_rank",
 )
 NON_NEGATIVE_KEYS = ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip", "min_lr")
 
@@ -80,6 +85,12 @@ class TrainConfig:
     qk_norm: bool = False
     tie_embeddings: bool = True  # lm_head shares wte (the embedding is most of a small model)
     init_from: Path | None = None
+    # LoRA (--lora-rank): low-rank pairs trained on a frozen --init-from base (training/lora.py)
+    lora_rank: int | None = None
+    lora_alpha: float | None = None  # None: 2 x lora_rank
+    lora_targets: tuple[str, ...] | None = None  # None: the family's default (training/lora.py)
+    lora_dropout: float = 0.0
+    merge: bool = False  # also write OUT/merged, the base with the adapter added in
     # optimization
     batch_size: int = 8
     grad_accum: int = 1
@@ -117,11 +128,51 @@ class TrainConfig:
             raise TrainError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.threads is not None and self.threads <= 0:
             raise TrainError(f"--threads must be positive, got {self.threads}")
+        self._check_lora()
         if not self.init_from:
             try:
                 self.model_config()
             except ConfigError as exc:
                 raise TrainError(str(exc)) from None
+
+    def _check_lora(self) -> None:
+        """The LoRA flags make sense together (and the architecture's targets are checked once
+        the base is loaded)."""
+        if self.lora_rank is None:
+            given = [
+                k
+                for k, off in (("lora_alpha", None), ("lora_targets", None), ("merge", False))
+                if getattr(self, k) != off
+            ] + (["lora_dropout"] if self.lora_dropout != 0.0 else [])
+            if given:
+                raise TrainError(f"--{flag(given[0])} needs --lora-rank")
+            return
+        if self.init_from is None:
+            raise TrainError("--lora-rank needs --init-from BASE: the frozen model it adapts")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise TrainError(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise TrainError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        names = self.lora_targets
+        unknown = [t for t in names or () if t not in LORA_TARGETS]
+        if names is not None and (unknown or not names or (len(names) > 1 and "all" in names)):
+            shown = ",".join(unknown) or ",".join(names)
+            raise TrainError(
+                f"--lora-targets {shown!r}: choose from {','.join(LORA_TARGETS[:-1])} "
+                "(comma-separated) or 'all'"
+            )
+        if self.merge and Path(self.init_from).suffix == ".gguf":
+            raise TrainError(
+                "--merge cannot write a GGUF base's tokenizer into a checkpoint; serve the "
+                "adapter on the GGUF file instead (python -m server --model FILE.gguf --lora "
+                "NAME=OUT)"
+            )
+
+    @property
+    def alpha(self) -> float:
+        """LoRA's alpha: --lora-alpha, else twice --lora-rank (scaling alpha / rank = 2)."""
+        assert self.lora_rank is not None
+        return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
 
     @property
     def final_lr(self) -> float:

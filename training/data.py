@@ -56,6 +56,9 @@ def tokenize_cached(
         for name in TOKENIZER_KEY_FILES:
             path = (source or Path()) / name
             h.update(path.read_bytes() if path.is_file() else b"\0")
+        if source is not None and source.is_file():  # a GGUF file, whose metadata holds it
+            st = source.stat()
+            h.update(f"{source.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         tok = _load(tokenizer, source)
         wide = tok.vocab_size > 2**16
     for f in files:

@@ -19,10 +19,12 @@ from training.checkpointing import (
     BEST_DIR,
     STATE_FILE,
     atomic_torch_save,
+    model_state,
     read_tokenizer_files,
     read_train_state,
     rng_state,
-    save_served,
+    save_merged,
+    save_outputs,
     set_rng_state,
 )
 from training.config import TrainConfig, model_flags
@@ -35,6 +37,7 @@ from training.distributed import (
     wait_for_every_rank,
 )
 from training.errors import TrainError
+from training.lora import load_lora_state, resolve_targets, trainable_count
 from training.metrics import LOSS_PLOT, METRICS_FILE, append_metrics, plot_losses, trim_metrics
 from training.setup import (
     autocast_for,
@@ -90,7 +93,10 @@ def train(cfg: TrainConfig, info: Dist) -> None:
 
     # --------------------------------------------------------------------------------- resume
     if state is not None:
-        model.load_state_dict(state["model"])
+        if cfg.lora_rank is not None:
+            load_lora_state(model, state["model"])  # the base is --init-from's, as it was
+        else:
+            model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -133,9 +139,18 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             f"val tokens; {tokens_per_step:,} tokens/step on {info.world} x {device.type}",
             flush=True,
         )
+        if cfg.lora_rank is not None:
+            targets = resolve_targets(cfg.lora_targets, mc)
+            print(
+                f"LoRA: rank {cfg.lora_rank}, alpha {cfg.alpha:g} on {','.join(targets)}; "
+                f"{trainable_count(model):,} trainable parameters, the base frozen",
+                flush=True,
+            )
     if step >= cfg.max_steps:
         if info.master:
             print(f"already at step {step} >= --max-steps {cfg.max_steps}; nothing to do")
+            if cfg.merge:
+                print(f"merged checkpoint: {save_merged(model, cfg, save_dtype, tokenizer_files)}")
         return
 
     # ----------------------------------------------------------------------------------- loop
@@ -199,16 +214,16 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             best_val = val_loss
         ranks = all_gather({"sampler": sampler.state_dict(), "rng": rng_state()})
         if info.master:
-            save_served(model, out, save_dtype, tokenizer_files)
+            save_outputs(model, cfg, out, save_dtype, tokenizer_files)
             if improved:
-                save_served(model, out / BEST_DIR, save_dtype, tokenizer_files)
+                save_outputs(model, cfg, out / BEST_DIR, save_dtype, tokenizer_files)
             train_state = {
                 "version": 1,
                 "step": step,
                 "best_val": best_val,
                 "args": saved_flags,
                 "config": model.config.to_dict(),
-                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "model": model_state(model, cfg),  # a LoRA run's pairs only
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "ranks": ranks,
@@ -224,4 +239,6 @@ def train(cfg: TrainConfig, info: Dist) -> None:
     if info.master:
         best = f", best val loss {best_val:.4f} in {out / BEST_DIR}" if best_val < math.inf else ""
         print(f"done: {step} steps; checkpoint in {out}{best}")
+        if cfg.merge:
+            print(f"merged checkpoint: {save_merged(model, cfg, save_dtype, tokenizer_files)}")
     wait_for_every_rank()  # no rank leaves the process group while rank 0 still writes

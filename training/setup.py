@@ -16,6 +16,7 @@ from model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from training.config import TrainConfig
 from training.distributed import Dist
 from training.errors import TrainError
+from training.lora import inject_lora, resolve_targets
 
 MAX_FINE_TUNE_WINDOW = 1024  # --init-from without --block-size: a long context's windows cap here
 # "gpt2" is built in; "hf" is the tokenizer.json beside the weights, which the run copies to --out
@@ -50,23 +51,40 @@ def autocast_for(
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, state: dict[str, Any] | None) -> GPT:
-    """The saved model (--resume), the --init-from checkpoint, or fresh weights from cfg."""
+    """The saved model (--resume), the --init-from checkpoint, or fresh weights from cfg; for a
+    LoRA run, the frozen --init-from base with new pairs (the loop puts saved ones back)."""
+    if cfg.lora_rank is not None:
+        model = _load_base(cfg, (*CARRIED_TOKENIZERS, "gguf"))  # a LoRA run carries none
+        targets = resolve_targets(cfg.lora_targets, model.config)
+        torch.manual_seed(cfg.seed)  # the same A on every rank
+        inject_lora(model, targets, cfg.lora_rank, cfg.alpha, cfg.lora_dropout)
+        return model
     if state is not None:  # --resume: the saved model; dropout may change
         return GPT(replace(ModelConfig.from_dict(state["config"]), dropout=cfg.dropout))
     if cfg.init_from is None:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         return GPT(cfg.model_config(vocab_size))
+    return _load_base(cfg, CARRIED_TOKENIZERS)
+
+
+def _load_base(cfg: TrainConfig, tokenizers: tuple[str, ...]) -> GPT:
+    """The --init-from checkpoint in float32 (a GGUF file's dequantized), with cfg's dropout."""
+    assert cfg.init_from is not None
     try:
         loaded = load_checkpoint(cfg.init_from)
     except CheckpointError as exc:
         raise TrainError(f"--init-from: {exc}") from None
-    if loaded.config.tokenizer not in CARRIED_TOKENIZERS:
+    if loaded.config.tokenizer not in tokenizers:
         raise TrainError(
             f"--init-from: a checkpoint with tokenizer {loaded.config.tokenizer!r} cannot be "
-            f"fine-tuned (supported: {', '.join(CARRIED_TOKENIZERS)})"
+            f"fine-tuned (supported: {', '.join(tokenizers)}; a LoRA adapter can be trained "
+            "on a GGUF file)"
         )
     model = GPT(replace(loaded.config, dropout=cfg.dropout))  # float32 weights, whatever stored
     model.load_state_dict(loaded.state_dict())
+    with torch.no_grad():  # buffers the state dict leaves out (a GGUF file's rope frequencies)
+        for name, buf in loaded.named_buffers():
+            model.get_buffer(name).copy_(buf)
     return model
 
 
@@ -86,10 +104,11 @@ def train_window(cfg: TrainConfig, config: ModelConfig) -> int:
 
 def tokenizer_dir(cfg: TrainConfig, config: ModelConfig) -> Path | None:
     """Where the run's tokenizer files are: None for GPT-2's (built in); for a checkpoint's own
-    ("hf"), --out on --resume (every checkpoint carries a copy), else the --init-from directory."""
+    ("hf"), --out on --resume (every checkpoint carries a copy), else the --init-from directory
+    (always for a LoRA run, whose base stays there; for "gguf", the file)."""
     if config.tokenizer == "gpt2":
         return None
-    return cfg.out if cfg.resume else cfg.init_from
+    return cfg.out if cfg.resume and cfg.lora_rank is None else cfg.init_from
 
 
 def load_run_tokenizer(config: ModelConfig, directory: Path | None) -> Tokenizer:

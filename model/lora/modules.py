@@ -114,3 +114,23 @@ def hf_module_slice(config: ModelConfig, i: int, module: str) -> Slice:
     return Slice(
         first.layer, first.offset, last.offset + last.rows - first.offset, first.in_features
     )
+
+
+def adapter_slices(config: ModelConfig, targets: tuple[str, ...]) -> dict[str, list[Slice]]:
+    """The slices a new adapter on `targets` trains, one low-rank pair each, by our layer name:
+    one per PEFT module whose targets are all chosen (GPT-2's c_attn for q, k and v together, as
+    PEFT trains it), else one per chosen target. ValueError for a target this model lacks."""
+    target_slices(config, targets)  # refuses what this architecture lacks
+    out: dict[str, list[Slice]] = {}
+    for i in range(config.n_layer):
+        layer = _layer_slices(config, i)
+        for module, covered in hf_modules(config).items():
+            chosen = [t for t in covered if t in targets]
+            if not chosen:
+                continue
+            whole = len(chosen) == len(covered)
+            for s in [hf_module_slice(config, i, module)] if whole else [layer[t] for t in chosen]:
+                out.setdefault(s.layer, []).append(s)
+    for slices in out.values():
+        slices.sort(key=lambda s: s.offset)
+    return out

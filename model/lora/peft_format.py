@@ -30,6 +30,7 @@ from model.config import ModelConfig
 from model.lora.adapter import LoraAdapter, LoraPiece
 from model.lora.modules import (
     NOT_ADAPTABLE,
+    Slice,
     hf_block_prefix,
     hf_module_slice,
     hf_modules,
@@ -79,13 +80,13 @@ def read_peft(directory: str | Path, config: ModelConfig) -> LoraAdapter:
             raise AdapterError(f"{directory}: {name} has lora_{''.join(ab)} but not both A and B")
         a, b = ab["A"], ab["B"]
         r = _pattern_value(rank_pattern, name, rank)
-        where = _check_shapes(name, a, b, r, hf_module_slice(config, i, module), config)
-        if where:
-            raise AdapterError(f"{directory}: {where}")
+        s = hf_module_slice(config, i, module)
+        wrong = _check_shapes(name, a, b, r, s)
+        if wrong:
+            raise AdapterError(f"{directory}: {wrong}")
         own = _scaling(_pattern_value(alpha_pattern, name, alpha), r, rslora)
         if own != scaling:  # one scaling per adapter: this module's ratio goes into its B
             b = (b.float() * (own / scaling)).to(b.dtype)
-        s = hf_module_slice(config, i, module)
         pieces.setdefault(s.layer, []).append(LoraPiece(a=a, b=b, offset=s.offset))
     if not pieces:
         raise AdapterError(f"{directory}/{WEIGHTS_FILE} holds no LoRA weights")
@@ -284,9 +285,7 @@ def _what_is(name: str) -> str:
     return f"{name} is not a LoRA matrix we can apply (modules_to_save or another method?)"
 
 
-def _check_shapes(
-    name: str, a: torch.Tensor, b: torch.Tensor, rank: int, s: Any, config: ModelConfig
-) -> str | None:
+def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor, rank: int, s: Slice) -> str | None:
     """What is wrong with the shapes of one module's A and B, or None."""
     if a.dim() != 2 or b.dim() != 2 or not a.is_floating_point() or not b.is_floating_point():
         return f"{name}: lora_A and lora_B must be float matrices"
@@ -335,7 +334,7 @@ def _check_layers(adapter: LoraAdapter, config: ModelConfig) -> None:
                 )
 
 
-def _module_update(adapter: LoraAdapter, s: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _module_update(adapter: LoraAdapter, s: Slice) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A (rank, in) and B (s.rows, rank) of the pieces over rows [s.offset, s.offset + s.rows)
     of s.layer: one piece's own when it covers exactly those rows, else their A's stacked and
     each B's overlapping rows in its own columns. None when no piece overlaps."""

@@ -23,12 +23,15 @@ KINDS = {
 }  # fmt: skip
 
 
-def make_hf(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
-    """A tiny random float32 model of `kind`, saved at `path`; returned in eval mode."""
+def make_hf(kind: str, path: Path, seed: int = 0, **changes: object) -> torch.nn.Module:
+    """A tiny random float32 model of `kind` (its config fields changed by `changes`), saved at
+    `path`; returned in eval mode."""
     import transformers
 
     config_cls, model_cls, fields = KINDS[kind]
-    config = getattr(transformers, config_cls)(**fields, bos_token_id=0, eos_token_id=1)
+    config = getattr(transformers, config_cls)(
+        **{**fields, **changes}, bos_token_id=0, eos_token_id=1
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     model.save_pretrained(path)
