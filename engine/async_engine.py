@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.engine import Engine
 from engine.limits import EngineLimits
@@ -30,6 +31,7 @@ from engine.sampler import SamplingParams
 from engine.sequence import SEQUENCE_ERROR, TokenEvent
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -156,6 +158,36 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if remaining:
                 self.abort(request_id)
+
+    async def run_on_engine(self, work: Callable[[Engine], T], timeout: float = 60.0) -> T:
+        """`work(engine)` run on the engine thread between two steps (so nothing else changes
+        the engine meanwhile): its result, or what it raised. Raises EngineDeadError when the
+        engine cannot run it, TimeoutError when it has not within `timeout` seconds."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def settle(result: object, error: BaseException | None) -> None:
+            if future.done():  # the caller gave up waiting
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def command() -> None:
+            try:
+                result, error = work(self.engine), None
+            except Exception as exc:
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop closed under us (shutdown)
+                pass
+
+        self._post(command)
+        return await asyncio.wait_for(future, timeout)
 
     def abort(self, request_id: str) -> None:
         """Free the request's sequences before the next engine step."""

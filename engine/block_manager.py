@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockAllocator, OutOfBlocks
-from engine.prefix_index import PrefixIndex, salt_root
+from engine.prefix_index import PrefixIndex, Salt, salt_root
 from kernels.metadata import AttentionMetadata
 
 __all__ = ["RELEASED", "BlockAllocator", "BlockManager", "OutOfBlocks", "StepBlocks"]
@@ -188,7 +188,7 @@ class BlockManager:
             self._released[dst] = done
         self.index.fork(src, dst)
 
-    def reuse_prefix(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+    def reuse_prefix(self, seq_id: int, token_ids: Sequence[int], salt: Salt = None) -> int:
         """Give a sequence with no blocks the cached blocks that match its tokens' prefix: whole
         blocks, then a copy of the keyed block after them that matches the most tokens. A
         salted sequence matches only blocks that sequences with the same salt computed.
@@ -238,7 +238,7 @@ class BlockManager:
             self.index.count_query(num_tokens, num_hit)
 
     def register_full_blocks(
-        self, seq_id: int, token_ids: Sequence[int], salt: str | None = None
+        self, seq_id: int, token_ids: Sequence[int], salt: Salt = None
     ) -> None:
         """Key the sequence's newly filled blocks (its first seq_len tokens are token_ids')
         under its cache salt (the one it gives `reuse_prefix`)."""

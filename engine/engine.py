@@ -5,8 +5,10 @@
 forward over the paged KV cache, and `_update` hands each sequence its logits rows (sample,
 verify, score the prompt) and turns the results into events. An embedding request
 (`SamplingParams.pooling`, engine.pooling) is prefilled like any prompt and pooled from the same
-forward's final hidden states; its last chunk ends it with one event carrying its vector. It is
-synchronous and single-threaded; `engine.async_engine` drives it from a thread.
+forward's final hidden states; its last chunk ends it with one event carrying its vector. With
+LoRA slots (`lora`, `model.lora.batched`), a request naming an adapter (`SamplingParams.lora`)
+has its rows updated by that adapter in the same batch as everyone else's (`engine.adapters`).
+It is synchronous and single-threaded; `engine.async_engine` drives it from a thread.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.adapters import NOT_FOUND, AdapterError, AdapterSlots, LoadedAdapter
 from engine.block_manager import BlockManager
 from engine.errors import RequestError
 from engine.grammar import ConstraintViolation, allocate_bitmask, bitmask_to_bool, fill_bitmask
@@ -30,6 +33,7 @@ from engine.step_plan import ScheduledSeq, StepKind, StepPlan
 from engine.verify import verify
 from kernels.paged_kv import KVPools, cache_dtype
 from model.gpt import GPT
+from model.lora.batched import LoraBank
 from model.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ class _Request:
     prompt_lp: list[TokenLogprob | None] = field(default_factory=list)
     prompt_lp_sent: bool = False
     pooled: torch.Tensor | None = None  # an embedding's: the sum (mean) or last state so far
+    adapter: LoadedAdapter | None = None  # its LoRA adapter, held until it ends
 
 
 class Engine:
@@ -78,11 +83,12 @@ class Engine:
 
     The Engine runs the model as it is given (it only switches it to eval mode). On a CPU, give it
     a model passed through `model.cpu.optimize_for_cpu` for fast decoding, as the CLIs do.
+    `lora`: the model's LoRA slots (`model.lora.batched.install_lora`), whose adapters `adapters` names.
     """
 
     def __init__(
         self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None,
-        draft_model: GPT | None = None,
+        draft_model: GPT | None = None, lora: LoraBank | None = None,
     ) -> None:  # fmt: skip
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -113,7 +119,8 @@ class Engine:
             window=max(windows) if None not in windows else None,  # all windowed: release
         )  # fmt: skip
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens)
-        self.runner = ModelRunner(self.model, self.pools)
+        self.runner = ModelRunner(self.model, self.pools, lora)
+        self.adapters = None if lora is None else AdapterSlots(lora)
         if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:
             raise ValueError("the draft model must use the model's tokenizer")
         self.speculator = make_speculator(
@@ -145,7 +152,16 @@ class Engine:
             Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, self.tokenizer)
             for i in range(params.n)
         ]
-        self._requests[request_id] = _Request(request_id, list(prompt_ids), params, seqs)
+        adapter = None
+        if params.lora is not None:
+            if self.adapters is None:
+                raise AdapterError("this engine serves no LoRA adapters", "model", NOT_FOUND)
+            adapter = self.adapters.acquire(params.lora)
+            for seq in seqs:  # its rows use the adapter's slot; its blocks are keyed by its load
+                seq.lora_slot, seq.prefix_salt = adapter.slot, (params.cache_salt, adapter.uid)
+        self._requests[request_id] = _Request(
+            request_id, list(prompt_ids), params, seqs, adapter=adapter
+        )
         self.scheduler.add(seqs[0])
 
     @property
@@ -163,6 +179,7 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._release_adapter(req)
         for seq in req.seqs:
             self.scheduler.remove(seq)
             if self.speculator is not None:
@@ -251,7 +268,7 @@ class Engine:
             if part.scores_prompt:
                 self._score_prompt(req, seq.num_cached, logits[part.rows])
             seq.num_cached += part.num_tokens
-            self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+            self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.prefix_salt)
             if not part.samples:
                 continue
             if req.params.max_tokens == 0:
@@ -281,7 +298,7 @@ class Engine:
             else:
                 req.pooled = rows[-1]
         seq.num_cached += part.num_tokens
-        self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+        self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.prefix_salt)
         if not part.pools:
             return []
         if req.pooled is None:
@@ -412,7 +429,7 @@ class Engine:
             if seq.params.logprobs is not None:
                 top = list(zip(out.top_ids[i], out.top_logprobs[i]))
                 lps.append(TokenLogprob(token, out.logprobs[i], top))
-        self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+        self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.prefix_salt)
         event = self._event(req, seq, emitted, text, lps, seq.finish_reason)
         if seq.finished:
             self._retire(req, seq)
@@ -452,8 +469,14 @@ class Engine:
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
-        if all(s.finished for s in req.seqs):
-            self._requests.pop(req.request_id, None)
+        if all(s.finished for s in req.seqs) and self._requests.pop(req.request_id, None):
+            self._release_adapter(req)
+
+    def _release_adapter(self, req: _Request) -> None:
+        """A request has ended: its adapter's slot may empty (if it was unloaded meanwhile)."""
+        if req.adapter is not None:
+            self.adapters.release(req.adapter)
+            req.adapter = None
 
     def _fail(
         self, seqs: list[Sequence], message: str, code: str | None = None

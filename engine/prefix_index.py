@@ -7,7 +7,7 @@ the same way, with a key of its own kind, once the sequence lets go of it. Besid
 index keeps each keyed block's tokens under its parent's key and its first token, so a new prompt
 that diverges inside a block can still take the longest matching start of one (`best_partial`).
 
-A cache salt isolates tenants: the chain of a salted sequence starts from a root digested from
+A cache salt isolates tenants (and LoRA adapters, `Salt`): the chain of a salted sequence starts from a root digested from
 its salt (`salt_root`) instead of from nothing, so its blocks are keyed, found and matched token
 by token only under that salt. Without this, how much of a prompt was cached (reported to the
 client, and visible in its time to first token) would tell one tenant what another had sent.
@@ -25,13 +25,24 @@ from functools import lru_cache
 
 from engine.block_pool import BlockAllocator
 
+# a sequence's cache salt (None: unsalted), or (salt, adapter) for a sequence of a LoRA adapter
+# (`engine.adapters`: the adapter's load, a number never reused)
+Salt = str | tuple[str | None, int] | None
+
 
 @lru_cache(maxsize=1024)
-def salt_root(salt: str | None) -> bytes | None:
-    """The parent key of a salted sequence's first block (None: unsalted, the shared chain)."""
+def salt_root(salt: Salt) -> bytes | None:
+    """The parent key of a salted sequence's first block (None: unsalted, the shared chain). An
+    adapter's sequences are keyed under roots of their own kind: its rows compute other keys
+    and values for the same tokens, so no block is shared across adapters or with the base."""
     if salt is None:
         return None
-    return hashlib.blake2b(salt.encode("utf-8"), digest_size=16, person=b"cache-salt").digest()
+    if isinstance(salt, str):
+        return hashlib.blake2b(salt.encode("utf-8"), digest_size=16, person=b"cache-salt").digest()
+    tenant, adapter = salt
+    digest = hashlib.blake2b(f"{adapter}".encode(), digest_size=16, person=b"lora-salt")
+    digest.update(b"\0" + (tenant or "").encode("utf-8"))
+    return digest.digest()
 
 
 def block_key(parent: bytes | None, tokens: Sequence[int], partial: bool = False) -> bytes:

@@ -5,7 +5,9 @@ what the block bookkeeping prepared for it (`engine.block_manager.StepBlocks`: t
 attention metadata and the block copies to make first), it makes the copies, packs the plan's
 new tokens into one tensor and runs the model's one forward, asking only for the rows the plan
 needs (and the final hidden states of an embedding's rows). What the logits mean (draw, verify,
-score) is the engine's business.
+score) is the engine's business. With LoRA slots (`model.lora.batched`), each packed row is
+named its sequence's adapter slot first; a step with adapter rows runs every product's own
+forward (`KVPools.module_forwards_only`: no compiled one-call layer).
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from engine.block_manager import StepBlocks
 from engine.step_plan import StepPlan
 from kernels.paged_kv import KVPools
 from model.gpt import GPT
+from model.lora.batched import LoraBank
 
 
 class ModelRunner:
     """Runs one model over its KV pools, a step at a time."""
 
-    def __init__(self, model: GPT, pools: KVPools) -> None:
+    def __init__(self, model: GPT, pools: KVPools, lora: LoraBank | None = None) -> None:
         self.model = model
         self.pools = pools
+        self.lora = lora
         self.device = next(model.parameters()).device
 
     def run(self, plan: StepPlan, blocks: StepBlocks) -> torch.Tensor:
@@ -38,6 +42,19 @@ class ModelRunner:
         rows, the final hidden states after the final norm (len(plan.hidden_positions), C),
         from one forward; raises what the forward raises."""
         self.pools.copy_blocks(blocks.copies)
+        if self.lora is None:
+            return self._forward(plan, blocks)
+        row_slots = [s.seq.lora_slot for s in plan.scheduled for _ in range(s.num_tokens)]
+        try:
+            self.pools.module_forwards_only = self.lora.set_step(row_slots, self.device)
+            return self._forward(plan, blocks)
+        finally:
+            self.lora.clear_step()
+            self.pools.module_forwards_only = False
+
+    def _forward(
+        self, plan: StepPlan, blocks: StepBlocks
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens = [t for s in plan.scheduled for t in s.input_ids()]  # (num_tokens,)
 
         def index(positions: list[int]) -> torch.Tensor:

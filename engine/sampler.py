@@ -54,6 +54,9 @@ class SamplingParams:
     # prefix cache isolation: prompts share cached KV blocks only with prompts of the same salt
     # (None: the shared, unsalted chain); not a sampling choice, but it travels with the request
     cache_salt: str | None = None
+    # the LoRA adapter that serves the request, by name (None: the base model); like the salt,
+    # not a sampling choice (engine.adapters)
+    lora: str | None = None
     # an embedding request (engine.pooling): its prompt is pooled into one vector, nothing is
     # sampled (n 1, max_tokens 0)
     pooling: PoolingParams | None = None
@@ -120,6 +123,11 @@ class SamplingParams:
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
             "cache_salt",
             "must be a non-empty string",
+        )
+        check(
+            self.lora is None or (isinstance(self.lora, str) and self.lora),
+            "model",
+            "must name the base model or a LoRA adapter",
         )
         if self.pooling is not None:  # an embedding: one vector of the prompt, nothing sampled
             check(self.n == 1, "n", "must be 1 for an embedding")

@@ -82,11 +82,14 @@ class Scheduler:
         return StepPlan.build(work, preempted)
 
     def _plan(self, guesses: Mapping[int, list[int]]) -> _Work:
-        """Decodes first (one token each), then verifications, then prefill chunks, within the
-        token budget; a verification's guesses are cut to what the budget leaves."""
+        """Decodes first (one token each, grouped by LoRA adapter), then verifications, then
+        prefill chunks, within the token budget; a verification's guesses are cut to what the
+        budget leaves."""
         budget = self.max_batch_tokens
         work: _Work = []
-        for seq in self.running:
+        # decodes grouped by LoRA adapter (in running order within each): an adapter's rows are
+        # then one run of the step's rows, which its products take as views (model.lora.batched)
+        for seq in sorted(self.running, key=_lora_slot):
             if seq.pending == 1 and not guesses.get(seq.seq_id):
                 work.append((seq, 1, []))
                 budget -= 1
@@ -110,7 +113,7 @@ class Scheduler:
             seq = self.waiting[0]
             reuses = _reuses_prefix(seq)
             if not self.blocks.holds(seq.seq_id) and reuses:
-                salt = seq.params.cache_salt
+                salt = seq.prefix_salt
                 seq.num_cached = self.blocks.reuse_prefix(seq.seq_id, seq.token_ids, salt)
             n = min(seq.pending, budget)
             need = self.blocks.blocks_needed(seq.seq_id, n)
@@ -133,6 +136,10 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
+
+
+def _lora_slot(seq: Sequence) -> int:
+    return seq.lora_slot
 
 
 def _reuses_prefix(seq: Sequence) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.prefix_index import Salt
 from engine.sampler import SamplingParams
 from model.tokenizers import Tokenizer
 
@@ -96,6 +97,8 @@ class Sequence:
         self._hold = max((len(s) for s in params.stop), default=0)
         self._stop_from = 0  # a stop string must end past this many characters (min_tokens)
         self.text_offsets: list[int] = []  # where each generated token's text begins in _text
+        self.lora_slot = -1  # the LoRA slot its rows use (-1: the base), set by the engine
+        self.prefix_salt: Salt = params.cache_salt  # its prefix-cache blocks' salt (and adapter)
 
     @property
     def output_ids(self) -> list[int]:

@@ -7,7 +7,9 @@ bookkeeping is the engine's (`engine.block_manager`), which hands each step its
 `AttentionMetadata` and the block copies to make first (`copy_blocks`). A step's attention is
 `plan(meta)` once, then `attend(layer, ...)` per layer, or, where the step and the backend suit
 it, one of the declared one-call paths (`has_qkv_path` -> `attend_qkv`, `has_one_call_step` ->
-`one_call_step`). The pools hold the model's key/value heads only: with grouped-query attention,
+`one_call_step`); a one-call layer, which reads the products' weights itself, never while
+`module_forwards_only` is set (a step with LoRA adapter rows, whose updates run in the products'
+forwards). The pools hold the model's key/value heads only: with grouped-query attention,
 `group` query heads read each of them (`kernels.gqa`).
 
 Each layer may have a sliding window (`windows`, `kernels.window`): `plan(meta)` then also plans
@@ -75,6 +77,9 @@ class KVPools:
         # each layer's pools as views made once: indexing self.k per layer and step costs more
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.block_size = block_size
+        # True for a step whose model products must each run their own forward (a step with
+        # LoRA adapter rows: the update is applied there): no one-call layer takes it
+        self.module_forwards_only = False
 
     @classmethod
     def for_model(
@@ -155,7 +160,8 @@ class KVPools:
         self, plan: AttentionPlan, qkv_dtype: torch.dtype, rope_dtype: torch.dtype | None
     ) -> bool:
         """Whether `attend_qkv` takes this step: a q/k/v product of `qkv_dtype` and rotary
-        tables of `rope_dtype` (None: no rotary positions)."""
+        tables of `rope_dtype` (None: no rotary positions). It runs under `module_forwards_only`
+        too: the q/k/v product and the output product around it are still the model's own."""
         return self.backend.has_qkv_path(self.spec.dtype, plan, qkv_dtype, rope_dtype)
 
     def attend_qkv(
@@ -172,7 +178,10 @@ class KVPools:
         )
 
     def has_one_call_step(self, plan: AttentionPlan) -> bool:
-        """Whether this step suits the compiled one-call decode of a whole layer."""
+        """Whether this step suits the compiled one-call decode of a whole layer; never under
+        `module_forwards_only` (the one call reads the products' weights itself)."""
+        if self.module_forwards_only:
+            return False
         return self.backend.has_one_call_step(self.spec.dtype, plan)
 
     def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...]:

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.embeddings_api import router as embeddings_router
 from server.errors import APIError, bad_request, install_error_handlers
 from server.hosts import host_allowed
+from server.lora_api import router as lora_router
 from server.metrics import Metrics
 from server.openai_api import router as openai_router
 from server.protocol import (
@@ -222,6 +223,7 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(embeddings_router)
     app.include_router(responses_router)
+    app.include_router(lora_router)
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -255,14 +257,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> dict:
         async_engine = state.require_ready()
+        base = state.loaded.name
         card = {
-            "id": state.loaded.name,
+            "id": base,
             "object": "model",
             "created": started,
             "owned_by": "gptserve",
             "max_model_len": async_engine.limits.max_model_len,
+            "root": str(state.loaded.path),
+            "parent": None,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [  # each LoRA adapter is a model of its own, its parent the base (as vLLM)
+            {**card, "id": name, "root": source, "parent": base}
+            for name, source in list(state.lora_names.items())
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -79,5 +79,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     ]
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
     return JSONResponse(
-        {"object": "list", "data": data, "model": state.loaded.name, "usage": usage}
+        {
+            "object": "list",
+            "data": data,
+            "model": inputs.params.lora or state.loaded.name,
+            "usage": usage,
+        }
     )

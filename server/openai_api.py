@@ -225,8 +225,9 @@ async def accept(
         len(prompts) * params.n, loaded.tokenizer, state.metrics, time.perf_counter()
     )
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    model = params.lora or loaded.name  # the name the request asked for
     return AcceptedRequest(
-        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), loaded.name, async_engine, inputs,
+        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, async_engine, inputs,
         tracker, state.settings.request_timeout, state.settings.stream_interval,
         endpoint=endpoint or kind,
     )  # fmt: skip

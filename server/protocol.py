@@ -411,6 +411,21 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # where it was loaded from (a LoRA adapter's directory)
+    parent: str | None = None  # a LoRA adapter's base model (its id), as vLLM lists it
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class ModelList(BaseModel):

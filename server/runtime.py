@@ -12,9 +12,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from engine.adapters import AdapterError, read_adapter
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
 from engine.loader import ModelLoadError, check_load, load_for_inference
@@ -24,6 +27,8 @@ from model import GPT, SHAKESPEARE_DIR
 from model.cpu.malloc_tuning import release_freed_memory
 from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
+from model.lora.adapter import LoraAdapter
+from model.lora.batched import LoraBank, LoraRankError, LoraShapeError, install_lora
 from model.tokenizers import Tokenizer
 from server.chat.templates import ChatFormat, load_chat_format
 from server.errors import APIError
@@ -44,6 +49,9 @@ class LoadedModel:
     template: ChatFormat
     path: Path
     draft: GPT | None = None  # the draft model of speculative decoding (--draft-model)
+    lora: LoraBank | None = None  # the model's LoRA slots (--lora, --enable-lora-loading)
+    # --lora's adapters, read and checked: name -> (adapter, its directory)
+    adapters: dict[str, tuple[LoraAdapter, Path]] = field(default_factory=dict)
 
 
 def preflight(settings: Settings) -> None:
@@ -57,6 +65,9 @@ def preflight(settings: Settings) -> None:
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if name is None and path.suffix != ".gguf" and not path.is_dir():
         raise ModelLoadError(f"checkpoint directory {path} does not exist")
+    for adapter, directory in settings.lora_modules.items():
+        if not directory.is_dir():
+            raise ModelLoadError(f"--lora {adapter}: no adapter directory {directory}")
     _, dtype = check_load(
         settings.device, settings.dtype, settings.quantize, settings.batch_invariant
     )
@@ -86,7 +97,28 @@ def load_model(settings: Settings) -> LoadedModel:
     known = settings.model_name
     fell_back = known is not None and known != "shakespeare" and path == SHAKESPEARE_DIR
     name = settings.served_model_name or ("shakespeare" if fell_back else known) or loaded.name
-    return LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
+    served = LoadedModel(loaded.model, loaded.tokenizer, name, template, loaded.path, loaded.draft)
+    if settings.serves_lora:
+        cpu = loaded.device.type == "cpu"
+        add_lora_slots(served, settings, torch.float32 if cpu else loaded.dtype)
+    return served
+
+
+def add_lora_slots(loaded: LoadedModel, settings: Settings, auto_dtype: torch.dtype) -> None:
+    """Give the loaded (optimized) model its LoRA slots and read --lora's adapters into
+    `loaded`, each checked against the slots (rank, shapes); raises ModelLoadError.
+    `auto_dtype`: the adapters' dtype for --lora-dtype auto."""
+    dtype = DTYPES.get(settings.lora_dtype, auto_dtype)
+    loaded.lora = install_lora(loaded.model, settings.max_loras, settings.max_lora_rank, dtype)
+    for name, directory in settings.lora_modules.items():
+        if name == loaded.name:
+            raise ModelLoadError(f"--lora {name}: the served model already has that name")
+        try:
+            adapter = read_adapter(directory, loaded.model.config, name)
+            loaded.lora.check(adapter)
+        except (AdapterError, LoraRankError, LoraShapeError) as exc:
+            raise ModelLoadError(f"--lora {name}: {exc}") from None
+        loaded.adapters[name] = (adapter, directory)
 
 
 def default_kv_tokens(settings: Settings, loaded: LoadedModel) -> int:
@@ -118,6 +150,8 @@ class ServerState:
         self.loaded: LoadedModel | None = None
         self.async_engine: AsyncEngine | None = None
         self.validator: Validator | None = None
+        # the LoRA adapters requests may name, as the engine has them loaded (server.lora_api)
+        self.lora_names: dict[str, str] = {}  # name -> where it was read from
         self.load_error: str | None = None
         self.loader_thread: threading.Thread | None = None
         self.load_seconds: float | None = None  # the model's load (fetch included)
@@ -167,20 +201,28 @@ class ServerState:
             batch_invariant=settings.batch_invariant,
             kv_cache_dtype=DTYPES.get(settings.kv_cache_dtype),  # auto: None, the model's
         )
+
+        def build() -> Engine:
+            engine = Engine(loaded.model, loaded.tokenizer, config, loaded.draft, loaded.lora)
+            for name, (adapter, directory) in loaded.adapters.items():
+                engine.adapters.load(name, adapter, str(directory))
+            return engine
+
         async_engine = AsyncEngine(
-            lambda: Engine(loaded.model, loaded.tokenizer, config, loaded.draft),
-            max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
+            build, max_consecutive_failed_steps=settings.max_consecutive_failed_steps
         )
         async_engine.on_failure = self._engine_failed
         async_engine.start()  # the Engine is built in the engine thread (see engine.async_engine)
         limits = async_engine.limits
         embedding = EmbeddingSpec.read(loaded.path, loaded.model.config.n_embd, settings.pooling)
         validator = Validator(
-            settings, limits, loaded.name, loaded.tokenizer, loaded.template, embedding
-        )
+            settings, limits, loaded.name, loaded.tokenizer, loaded.template, embedding,
+            self.lora_names,
+        )  # fmt: skip
         with self._lock:
             closed = self.closed  # shut down while the engine was being built?
             if not closed:
+                self.lora_names.update({n: str(d) for n, (_, d) in loaded.adapters.items()})
                 self.metrics.watch(async_engine)
                 self.loaded, self.validator, self.async_engine = loaded, validator, async_engine
         if closed:

@@ -185,6 +185,28 @@ class Settings:
         "and new requests answer 503 engine_unhealthy (a step that succeeds resets the count)",
         group="engine", low=1,
     )  # fmt: skip
+    lora: list[str] = flag(
+        [], "a LoRA adapter to serve as NAME=DIR (a PEFT adapter directory: adapter_config.json "
+        "and adapter_model.safetensors; repeatable): a request whose model is NAME runs with it, "
+        "in the same batches as the base model's", group="engine",
+    )  # fmt: skip
+    max_loras: int = flag(
+        4, "LoRA adapters loaded at once (slots; --lora and /v1/load_lora_adapter share them)",
+        group="engine", low=1, high=64,
+    )  # fmt: skip
+    max_lora_rank: int = flag(
+        64, "the largest LoRA rank an adapter may have (a larger one is refused when it loads)",
+        group="engine", low=1, high=1024,
+    )  # fmt: skip
+    lora_dtype: str = flag(
+        "auto", "the LoRA adapters' weights and products; auto: float32 on a CPU (as PEFT "
+        "computes adapters; PyTorch's bfloat16 products of a few rows are slower there), the "
+        "model's dtype on a GPU", group="engine", choices=("auto", "float32", "bfloat16", "float16"),
+    )  # fmt: skip
+    enable_lora_loading: bool = flag(
+        False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's: load and "
+        "unload adapters while serving); off: 404", group="engine",
+    )  # fmt: skip
     # per-request limits (None: the model's context length)
     max_queue: int = flag(256, "waiting sequences; at or above it 429", group="limits", low=1)
     max_logprobs: int = flag(
@@ -262,9 +284,39 @@ class Settings:
             )
         if self.draft_model is not None and not Path(self.draft_model).is_dir():
             raise SettingsError(f"--draft-model: no checkpoint directory {self.draft_model}")
+        self._validate_lora()
         if any(not key for key in self.api_keys):
             raise SettingsError("API keys must be non-empty")
         return self
+
+    @property
+    def lora_modules(self) -> dict[str, Path]:
+        """--lora's adapters: name -> directory (after `validate`)."""
+        return {n: Path(d) for n, _, d in (spec.partition("=") for spec in self.lora)}
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether the model gets LoRA slots: adapters at start or loaded later."""
+        return bool(self.lora) or self.enable_lora_loading
+
+    def _validate_lora(self) -> None:
+        names = []
+        for spec in self.lora:
+            name, eq, directory = spec.partition("=")
+            if not (eq and name.strip() and directory) or name != name.strip():
+                raise SettingsError(f"--lora {spec!r}: expected NAME=DIR")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise SettingsError("--lora: each adapter needs a name of its own")
+        if len(names) > self.max_loras:
+            raise SettingsError(f"--lora: {len(names)} adapters but --max-loras {self.max_loras}")
+        if self.serves_lora and self.batch_invariant:
+            raise SettingsError(
+                "--batch-invariant cannot hold with LoRA adapters (an adapter's rows are "
+                "computed together, as many as the batch has)"
+            )
+        if self.served_model_name is not None and self.served_model_name in names:
+            raise SettingsError("--lora: an adapter cannot have the served model's name")
 
 
 def flag_name(f: Field) -> str:

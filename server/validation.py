@@ -12,9 +12,9 @@ takes it unchecked.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import RequestError
@@ -79,14 +79,22 @@ class EmbeddingInputs:
     base64: bool = False  # encoding_format "base64"
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise APIError(
-            404,
-            f"the model {requested!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(
+    requested: str | None, served: str, adapters: Mapping[str, str] | None = None
+) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the served model); a 404 for a name
+    that is neither."""
+    if requested is None or requested == served:
+        return None
+    if adapters and requested in adapters:
+        return requested
+    names = ", ".join(repr(n) for n in [served, *(adapters or {})])
+    raise APIError(
+        404,
+        f"the model {requested!r} does not exist; this server serves {names}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 @contextmanager
@@ -134,6 +142,12 @@ class Validator:
     tokenizer: Tokenizer
     template: ChatFormat
     embedding_spec: EmbeddingSpec = EmbeddingSpec()  # the served model's pooling and widths
+    # the LoRA adapters loaded, name -> source (the server's, kept up to date as they change)
+    adapters: Mapping[str, str] = field(default_factory=dict)
+
+    def model_of(self, requested: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model), or a 404."""
+        return check_model(requested, self.name, self.adapters)
 
     @functools.cached_property
     def tool_format(self) -> ToolCallFormat:
@@ -187,7 +201,7 @@ class Validator:
     # ---- endpoints ------------------------------------------------------------------------
 
     def completion(self, req: CompletionRequest) -> EngineInputs:
-        check_model(req.model, self.name)
+        lora = self.model_of(req.model)
         check_extra_fields(req, "completion", self.tokenizer)
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
@@ -202,6 +216,7 @@ class Validator:
             req, max_tokens, logprobs,
             prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
         )  # fmt: skip
+        params.lora = lora
         prompts, texts = self._completion_prompts(req)
         self._admit(prompts, params, FieldNames(), req.asks_for_structure)
         structured = self._constrain(req, params)  # last: a new grammar costs milliseconds
@@ -215,7 +230,7 @@ class Validator:
         )
 
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
-        check_model(req.model, self.name)
+        lora = self.model_of(req.model)
         check_extra_fields(req, "chat", self.tokenizer)
         tools = read_tools(req, self.tokenizer, self.limits.vocab_size)
         include_usage = self._stream_options(req)
@@ -238,6 +253,7 @@ class Validator:
             room = min(self.limits.max_model_len, self.limits.kv_cache_tokens) - len(ids)
             value = self.request_limits.default_max_tokens(max(1, room))
         params = self._sampling_params(req, value, (top or 0) if req.logprobs else None)
+        params.lora = lora
         calls = tools is not None and tools.calls
         names = FieldNames("messages", param, "top_logprobs")
         self._admit([ids], params, names, calls or req.asks_for_structure)
@@ -266,7 +282,7 @@ class Validator:
 
     def embedding(self, req: EmbeddingRequest) -> EmbeddingInputs:
         """An embeddings request: its inputs, admitted like prompts that generate nothing."""
-        check_model(req.model, self.name)
+        lora = self.model_of(req.model)
         spec = self.embedding_spec
         dims = req.dimensions
         if dims is not None and not spec.allows(dims):
@@ -279,17 +295,17 @@ class Validator:
             )
             raise bad_request(f"dimensions must be {widths}", "dimensions")
         keep = None if dims is None or dims == spec.hidden_size else dims
-        params = SamplingParams(max_tokens=0, pooling=PoolingParams(spec.pooling, keep))
+        params = SamplingParams(max_tokens=0, pooling=PoolingParams(spec.pooling, keep), lora=lora)
         prompts = self._embedding_inputs(req.input)
         self._admit(prompts, params, FieldNames(prompt="input"), False)
         return EmbeddingInputs(prompts, params, req.encoding_format == "base64")
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
-        check_model(req.model, self.name)
+        self.model_of(req.model)  # an adapter has its base's tokenizer
         return encode_text(self.tokenizer, req.prompt, "prompt") if req.prompt else []
 
     def detokenize(self, req: DetokenizeRequest) -> list[int]:
-        check_model(req.model, self.name)
+        self.model_of(req.model)
         self._check_token_ids(req.tokens, "tokens")
         return req.tokens
 

@@ -1,11 +1,13 @@
 // The server's HTTP API as the playground uses it: the API key, OpenAI-shaped errors, the served
-// model's id, and server-sent events read over fetch (EventSource cannot POST or send a key).
+// models (the base and its LoRA adapters) and the one requests name, and server-sent events read
+// over fetch (EventSource cannot POST or send a key).
 // The API key lives in `apiKey` only: it is never written to localStorage, sessionStorage or a
 // cookie.
 
 let apiKey = ""; // set from the key field before each request; memory only
-let modelId = null; // the first id of GET /v1/models, looked up again when the key changes
-let onModel = () => {};
+let models = null; // GET /v1/models's list, looked up again when the key changes
+let chosen = null; // the id requests name: the model select's (the first listed until then)
+let onModels = () => {};
 
 /** An OpenAI-shaped error: {message, type, param, code} plus the HTTP status (null mid-stream). */
 export class ApiError extends Error {
@@ -18,13 +20,24 @@ export class ApiError extends Error {
 }
 
 export function setApiKey(key) {
-  if (key !== apiKey) modelId = null;
+  if (key !== apiKey) models = null;
   apiKey = key;
 }
 
-/** `listener(id)` runs each time the model id is learned (the header shows it). */
-export function setModelListener(listener) {
-  onModel = listener;
+/** `listener(models, chosen)` runs each time the list of models is learned (the header's model
+ * select shows it): GET /v1/models's entries (a LoRA adapter has its base as `parent`). */
+export function setModelsListener(listener) {
+  onModels = listener;
+}
+
+/** Requests name `id` from now on (one of the listed models). */
+export function chooseModel(id) {
+  chosen = id;
+}
+
+/** Ask GET /v1/models again (adapters may have been loaded or unloaded since). */
+export function forgetModels() {
+  models = null;
 }
 
 function authHeaders() {
@@ -42,16 +55,18 @@ async function errorFrom(resp) {
   return new ApiError({ message: `HTTP ${resp.status} ${resp.statusText}`.trim() }, resp.status);
 }
 
-/** The served model's id: remembered, or asked of GET /v1/models with the current key. */
+/** The model requests name: the chosen one, among those GET /v1/models lists with the current
+ * key (asked once per key); the first listed (the base) while none is chosen or it is gone. */
 export async function modelFor(signal) {
-  if (modelId) return modelId;
+  if (models && models.some((m) => m.id === chosen)) return chosen;
   const resp = await fetch("/v1/models", { headers: authHeaders(), signal });
   if (!resp.ok) throw await errorFrom(resp);
   const body = await resp.json();
   if (!body.data || !body.data.length) throw new ApiError({ message: "the server lists no model" });
-  modelId = body.data[0].id;
-  onModel(modelId);
-  return modelId;
+  models = body.data;
+  if (!models.some((m) => m.id === chosen)) chosen = models[0].id;
+  onModels(models, chosen);
+  return chosen;
 }
 
 /**

@@ -1,8 +1,8 @@
-// gptserve playground: a chat with the served model (chat.js) and, on a second tab, the raw
+// gptserve playground: a chat with the served model or one of its LoRA adapters (chat.js) and, on a second tab, the raw
 // completion view (completion.js); both show each generated token's probability and the
 // model's top alternatives (tokens.js). Plain browser JavaScript modules, no dependencies, no
 // build step.
-import { modelFor, setApiKey, setModelListener } from "./api.js";
+import { chooseModel, forgetModels, modelFor, setApiKey, setModelsListener } from "./api.js";
 import { initChat } from "./chat.js";
 import { initCompletion } from "./completion.js";
 import { initAlternatives } from "./tokens.js";
@@ -48,8 +48,30 @@ function initTabs() {
   $("key-form").addEventListener("submit", (e) => e.preventDefault());
 }
 
-setModelListener((id) => {
-  $("model-name").textContent = id;
+/** The header's model select: the base model and each LoRA adapter, the chosen one selected. */
+function showModels(models, chosen) {
+  const select = $("model-select");
+  select.replaceChildren(
+    ...models.map((m) => {
+      const label = m.parent ? `${m.id} (LoRA adapter of ${m.parent})` : m.id;
+      return new Option(label, m.id, false, m.id === chosen);
+    }),
+  );
+  select.value = chosen;
+}
+
+function showNoModels(text) {
+  $("model-select").replaceChildren(new Option(text, "", true, true));
+}
+
+setModelsListener(showModels);
+$("model-select").addEventListener("change", (e) => {
+  if (e.target.value) chooseModel(e.target.value);
+});
+// the list again each time the select is opened: adapters may have come or gone
+$("model-select").addEventListener("focus", () => {
+  forgetModels();
+  modelFor(undefined).catch(() => {});
 });
 initAlternatives($("popup"));
 initTabs();
@@ -57,6 +79,4 @@ initChat();
 initCompletion();
 // Show the model name when the server needs no key; failures here are silent.
 setApiKey("");
-modelFor(undefined).catch(() => {
-  $("model-name").textContent = "(enter the API key and send)";
-});
+modelFor(undefined).catch(() => showNoModels("(enter the API key and send)"));

@@ -75,7 +75,7 @@ def test_greedy_completion_streams_as_shaded_tokens(page: Page, server_url: str)
     )["choices"][0]
     assert "".join(spans) == expected["text"]
     assert page.inner_text("#output-prompt") == prompt
-    assert page.inner_text("#model-name") == "tiny-gpt"
+    assert page.input_value("#model-select") == "tiny-gpt"
     shades = page.eval_on_selector_all(
         "#output-tokens .tok", "els => els.map(e => Number(e.style.getPropertyValue('--p')))"
     )
@@ -255,3 +255,32 @@ def test_bad_json_schema_is_shown_next_to_the_box(page: Page, schema: str, messa
     expect(page.locator("#json_schema")).to_have_attribute("aria-invalid", "true")
     expect(page.locator("#err-general")).to_be_hidden()
     assert token_spans(page) == []
+
+
+def test_the_model_select_lists_lora_adapters_and_runs_the_chosen_one(
+    browser: Browser, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from model import load_checkpoint
+    from model.lora.peft_format import write_peft
+    from tests.lora_testing import random_adapter
+    from tests.server.playground_browser import run_server
+
+    root = tmp_path_factory.mktemp("lora-playground")
+    config = load_checkpoint(tiny_checkpoint).config
+    write_peft(random_adapter(config, "tuned"), root / "tuned", config, "tiny-gpt")
+    lora = ("--lora", f"tuned={root / 'tuned'}")
+    with run_server(tiny_checkpoint, root / "server.log", *lora) as url:  # no key: listed at once
+        with open_page(browser, url, tab="completion") as page:
+            options = page.locator("#model-select option")
+            expect(options).to_have_text(["tiny-gpt", "tuned (LoRA adapter of tiny-gpt)"])
+            page.select_option("#model-select", "tuned")
+            page.fill("#prompt", "The quick brown fox")
+            page.fill("#temperature", "0")
+            page.fill("#max_tokens", "8")
+            page.click("#run")
+            expect(page.locator("#status")).to_contain_text("done", timeout=TIMEOUT_MS)
+            body = {"prompt": "The quick brown fox", "temperature": 0, "max_tokens": 8}
+            tuned = post_json(f"{url}/v1/completions", {**body, "model": "tuned"})
+            base = post_json(f"{url}/v1/completions", body)
+            assert tuned["choices"][0]["text"] != base["choices"][0]["text"]
+            assert "".join(token_spans(page)) == tuned["choices"][0]["text"]
