@@ -9,7 +9,8 @@ the same kernels in the same order and dtypes from C++, so the layer's output is
 path's to the bit. It takes layers whose products are the compiled int4 kernel's (a GGUF file's
 Q4_0, Q4_1, Q4_K and Q8_0 matrices) or float32 tiles (`FewRowsLinear`, up to its few rows); any
 other layer (int8, a mixed `StackedLinear`, Qwen3's q/k norms) and any step it does not suit (a
-prefill, a cache without the one-call decode) takes the block's own forward.
+prefill, a cache without the one-call decode, a step with LoRA adapter rows, whose updates run in
+the products' own forwards) takes the block's own forward.
 `python bench/cpu_parts.py --parts llama-layer` compares the two.
 """
 
@@ -100,6 +101,7 @@ class FusedLlamaBlock(Block):
             and rope is not None
             and x.dtype == torch.float32
             and rope[0].dtype == torch.float32
+            and cache.has_one_call_step(plan)  # (not a step with LoRA rows)
             and cache.has_qkv_path(plan, torch.float32, torch.float32)
         ):
             step = cache.one_call_step(layer, plan)
