@@ -10,37 +10,16 @@
 #include <ATen/ops/layer_norm.h>
 #include <torch/library.h>
 
+#include "layer_calls.h"
+
 #include <array>
 #include <cmath>
 #include <optional>
 
 namespace {
 
-using Bias = std::optional<at::Tensor>;
-
-at::Tensor tiled_product(const at::Tensor& x, const at::Tensor& tiles, const Bias& bias,
-                         int64_t n, int64_t activation) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("gptserve_cpu::f32_matmul", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Bias&, int64_t, int64_t)>();
-  return op.call(x, tiles, bias, n, activation);
-}
-
-at::Tensor attend(const at::Tensor& qkv, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& write_block, const at::Tensor& write_offset,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_head,
-                  double scale, int64_t window) {
-  using Signature = at::Tensor(const at::Tensor&, const Bias&, const Bias&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, int64_t, double,
-                               at::ScalarType, int64_t);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("gptserve_cpu::paged_decode_qkv", "")
-                             .typed<Signature>();
-  return op.call(qkv, std::nullopt, std::nullopt, k_pool, v_pool, write_block, write_offset,
-                 block_tables, context_lens, n_head, scale, at::kFloat, window);
-}
+using layer_calls::attend;
+using layer_calls::tiled_product;
 
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's weight and bias, then
 // ln_2's; tiles, biases and widths (their outputs): c_attn, attn's c_proj, c_fc (through
@@ -65,7 +44,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   const std::array<int64_t, 1> shape{width};  // LayerNorm over the last dimension
   at::Tensor h = at::layer_norm(x, shape, norms[0], norms[1], eps);
   at::Tensor qkv = tiled_product(h, tiles[0], biases.get(0), widths[0], 0);
-  at::Tensor y = attend(qkv, k_pool, v_pool, write_block, write_offset, block_tables,
+  at::Tensor y = attend(qkv, std::nullopt, std::nullopt, k_pool, v_pool, write_block, write_offset, block_tables,
                         context_lens, n_head, std::pow(static_cast<double>(dim), -0.5), window);
   at::Tensor out = at::add(x, tiled_product(y.view({n, width}), tiles[1], biases.get(1), width, 0));
   h = at::layer_norm(out, shape, norms[2], norms[3], eps);

@@ -10,12 +10,16 @@
 #include <ATen/ops/add.h>
 #include <torch/library.h>
 
+#include "layer_calls.h"
+
 #include <cmath>
 #include <optional>
 
 namespace {
 
-using Bias = std::optional<at::Tensor>;
+using layer_calls::attend;
+using layer_calls::Bias;
+using layer_calls::tiled_product;
 
 // how a product's matrix is held: int4 groups in tiles (int4_matmul.cpp) or float32 tiles
 // (f32_matmul.cpp); the codes match model/cpu/llama_layer.py
@@ -49,27 +53,7 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
     at::Tensor y = op.call(x, weight, table, n, copies, at::kFloat);
     return bias.has_value() ? at::add(*bias, y) : y;
   }
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("gptserve_cpu::f32_matmul", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Bias&,
-                                               int64_t, int64_t)>();
-  return op.call(x, weight, bias, n, 0);
-}
-
-at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                  const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& write_block, const at::Tensor& write_offset,
-                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t n_head,
-                  double scale, int64_t window) {
-  using Signature = at::Tensor(const at::Tensor&, const Bias&, const Bias&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, int64_t, double,
-                               at::ScalarType, int64_t);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("gptserve_cpu::paged_decode_qkv", "")
-                             .typed<Signature>();
-  return op.call(qkv, cos, sin, k_pool, v_pool, write_block, write_offset, block_tables,
-                 context_lens, n_head, scale, at::kFloat, window);
+  return tiled_product(x, weight, bias, n, 0);
 }
 
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's and ln_2's weights

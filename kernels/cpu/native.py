@@ -60,7 +60,7 @@ SOURCES = [
         "kquant_matmul.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h", "layer_calls.h")]
 # OpenMP: at::parallel_for's threads are torch's. -fno-trapping-math lets loops with a clamp or
 # a select (fast_exp's) vectorize without AVX-512's masks; it changes no value computed, only
 # which floating-point exception flags may be raised, which nothing here reads.

@@ -20,20 +20,18 @@ import torch.nn as nn
 
 from kernels.metadata import AttentionPlan, PagedKV
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
+from model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
 from model.gpt import MLP, Block, Rope
 
 __all__ = ["FusedDecodeBlock", "install_decode_layers"]
 
 
-class FusedDecodeBlock(Block):
+class FusedDecodeBlock(OneCallBlock):
     """`block` (the same children and forward) whose cached forward of up to `LAYER_FEW_ROWS`
     decoding rows is one `decode_layer` call."""
 
     def __init__(self, block: Block, op: Any) -> None:
-        nn.Module.__init__(self)
-        self.pre_norm = block.pre_norm
-        for name, child in block.named_children():
-            self.add_module(name, child)
+        super().__init__(block)
         attn, mlp = block.attn, block.mlp
         products = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         self.op, self.n_head = op, attn.n_head
@@ -74,10 +72,6 @@ def fits(block: nn.Module) -> bool:
 def install_decode_layers(model: nn.Module, ops: Any) -> int:
     """Make each layer of `model` that `fits` a `FusedDecodeBlock` over `ops` (the compiled
     kernels), in place; returns how many."""
-    layers = model.transformer.h
-    changed = 0
-    for i, block in enumerate(layers):
-        if fits(block):
-            layers[i] = FusedDecodeBlock(block, ops.decode_layer)
-            changed += 1
-    return changed
+    return install_one_call_blocks(
+        model, fits, lambda block: FusedDecodeBlock(block, ops.decode_layer)
+    )

@@ -24,6 +24,7 @@ import torch.nn as nn
 from kernels.metadata import AttentionPlan, PagedKV
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
 from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
+from model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
 from model.gpt import Block, Rope
 from model.int4_linear import Int4Linear
 
@@ -72,15 +73,12 @@ def fits(block: nn.Module) -> bool:
     return all(_product_kind(p) is not None for p in products)
 
 
-class FusedLlamaBlock(Block):
+class FusedLlamaBlock(OneCallBlock):
     """`block` (the same children and forward) whose cached forward of decoding rows is one
     `llama_decode_layer` call where the step suits it."""
 
     def __init__(self, block: Block, op: Any) -> None:
-        nn.Module.__init__(self)
-        self.pre_norm = block.pre_norm
-        for name, child in block.named_children():
-            self.add_module(name, child)
+        super().__init__(block)
         attn, mlp = block.attn, block.mlp
         products = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         self.op, self.n_head, self.eps = op, attn.n_head, block.ln_1.eps
@@ -115,10 +113,6 @@ class FusedLlamaBlock(Block):
 def install_llama_layers(model: nn.Module, ops: Any) -> int:
     """Make each layer of `model` that `fits` a `FusedLlamaBlock` over `ops` (the compiled
     kernels), in place; returns how many."""
-    layers = model.transformer.h
-    changed = 0
-    for i, block in enumerate(layers):
-        if fits(block):
-            layers[i] = FusedLlamaBlock(block, ops.llama_decode_layer)
-            changed += 1
-    return changed
+    return install_one_call_blocks(
+        model, fits, lambda block: FusedLlamaBlock(block, ops.llama_decode_layer)
+    )

@@ -5,15 +5,14 @@ not suit left to that path."""
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
 from kernels.cpu import native
-from model import GPT, get_tokenizer
+from model import GPT
 from model.config import ModelConfig
 from model.cpu import optimize_for_cpu
 from model.cpu.decode_layer import FusedDecodeBlock
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
 from model.gpt import Block
+from tests.model.cpu.engine_runs import decode_together
 
 OPS = native.native_ops() if native.enabled() else None
 pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled float32 tiles")
@@ -26,25 +25,6 @@ def _model(activation: str = "gelu", dtype: torch.dtype = torch.float32, **windo
     return optimize_for_cpu(GPT(cfg).to(dtype).eval(), threads=2)
 
 
-def _decode(model: GPT, n_seq: int) -> tuple[dict, dict]:
-    """Greedy tokens and logprobs of `n_seq` requests decoded together, request i 4 + i
-    tokens."""
-    engine = Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=n_seq))
-    gen = torch.Generator().manual_seed(n_seq)
-    for i in range(n_seq):  # lengths apart: a step of many decodes ends in steps of fewer
-        params = SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True, logprobs=1)
-        engine.add_request(str(i), torch.randint(0, 50257, (5 + 3 * i,), generator=gen).tolist(),
-                           params)  # fmt: skip
-    tokens: dict[str, list[int]] = {}
-    logprobs: dict[str, list[float]] = {}
-    while engine.has_work():
-        for ev in engine.step():
-            assert ev.error is None
-            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-            logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs)
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 @pytest.mark.parametrize("n_seq", [1, 3, LAYER_FEW_ROWS + 2])  # the last: some steps too many
 def test_the_engine_decodes_the_python_paths_bits(monkeypatch, activation, n_seq):
@@ -54,10 +34,10 @@ def test_the_engine_decodes_the_python_paths_bits(monkeypatch, activation, n_seq
     op = model.transformer.h[0].op
     for block in model.transformer.h:
         block.op = lambda *args, _op=op: calls.append(args[0].shape[0]) or _op(*args)
-    fused = _decode(model, n_seq)
+    fused = decode_together(model, n_seq, 50257)
     assert calls and max(calls) <= LAYER_FEW_ROWS  # it ran, and only for steps of few rows
     monkeypatch.setattr(FusedDecodeBlock, "forward_cached", Block.forward_cached)
-    assert _decode(model, n_seq) == fused  # tokens and logprobs, exactly
+    assert decode_together(model, n_seq, 50257) == fused  # tokens and logprobs, exactly
 
 
 @pytest.mark.parametrize(
@@ -73,10 +53,10 @@ def test_windowed_layers_decode_the_python_paths_bits(monkeypatch, window):
     own forward, and not those of the same weights without windows."""
     model = _model(**window)
     assert all(type(b) is FusedDecodeBlock for b in model.transformer.h)
-    fused = _decode(model, 3)
-    unwindowed = _decode(_model(), 3)
+    fused = decode_together(model, 3, 50257)
+    unwindowed = decode_together(_model(), 3, 50257)
     monkeypatch.setattr(FusedDecodeBlock, "forward_cached", Block.forward_cached)
-    assert _decode(model, 3) == fused
+    assert decode_together(model, 3, 50257) == fused
     assert fused[1] != unwindowed[1]  # logprobs past the window differ
 
 

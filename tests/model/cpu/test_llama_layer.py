@@ -5,10 +5,8 @@ logprobs the Python path's to the bit, and every step it does not suit left to t
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
 from kernels.cpu import native
-from model import GPT, get_tokenizer
+from model import GPT
 from model.config import ModelConfig
 from model.cpu import optimize_for_cpu
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
@@ -16,6 +14,7 @@ from model.cpu.llama_layer import FusedLlamaBlock
 from model.gguf.blocks import Int4Groups
 from model.gpt import Block
 from model.int4_linear import Int4Linear
+from tests.model.cpu.engine_runs import decode_together
 
 OPS = native.native_ops() if native.enabled() else None
 pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled CPU kernels")
@@ -52,25 +51,6 @@ def _llama(
     return optimize_for_cpu(model, threads=2)
 
 
-def _decode(model: GPT, n_seq: int) -> tuple[dict, dict]:
-    """Greedy tokens and logprobs of `n_seq` requests decoded together, request i 4 + i
-    tokens."""
-    engine = Engine(model, get_tokenizer(), EngineConfig(max_num_seqs=n_seq))
-    gen = torch.Generator().manual_seed(n_seq)
-    for i in range(n_seq):  # lengths apart: a step of many decodes ends in steps of fewer
-        params = SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True, logprobs=1)
-        prompt = torch.randint(0, VOCAB, (5 + 3 * i,), generator=gen).tolist()
-        engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {}
-    logprobs: dict[str, list[float]] = {}
-    while engine.has_work():
-        for ev in engine.step():
-            assert ev.error is None
-            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-            logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs)
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize(
     "int4, qkv_bias, window",
     [(True, False, None), (True, True, None), (False, False, None), (True, False, 6)],
@@ -84,13 +64,13 @@ def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, w
     op = model.transformer.h[0].op
     for block in model.transformer.h:
         block.op = lambda *args, _op=op: calls.append(args[0].shape[0]) or _op(*args)
-    fused = _decode(model, n_seq)
+    fused = decode_together(model, n_seq, VOCAB)
     assert calls  # it ran: float32 tiles only for steps of few rows, int4 for any
     assert max(calls) <= (LAYER_FEW_ROWS if not int4 else n_seq)
     if int4 and n_seq > LAYER_FEW_ROWS:
         assert max(calls) == n_seq
     monkeypatch.setattr(FusedLlamaBlock, "forward_cached", Block.forward_cached)
-    assert _decode(model, n_seq) == fused  # tokens and logprobs, exactly
+    assert decode_together(model, n_seq, VOCAB) == fused  # tokens and logprobs, exactly
 
 
 def test_layers_that_do_not_fit_keep_their_block():
