@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from model.config import ConfigError, ModelConfig
-from model.hf_llama import architecture
+from model.hf_llama import architecture, embedding_and_head, required
 
 MULTIMODAL = "Gemma3ForConditionalGeneration"
 # transformers' Gemma3TextConfig defaults, for the fields a config.json may leave out
@@ -149,17 +149,8 @@ def _text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Gemma 3 tensor names -> ours, q/k/v joined into `c_attn` and gate/up into `c_fc`."""
     state = _text_weights(state)
-    out: dict[str, torch.Tensor] = {}
-
-    def need(name: str) -> torch.Tensor:
-        if name not in state:
-            raise ConfigError(f"the checkpoint has no tensor {name}")
-        return state[name]
-
-    out["transformer.wte.weight"] = need("model.embed_tokens.weight")
-    out["transformer.ln_f.weight"] = need("model.norm.weight")
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = need("lm_head.weight")
+    need = required(state)
+    out = embedding_and_head(need, config)
     norms = {
         "ln_1": "input_layernorm",
         "post_attn_norm": "post_attention_layernorm",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,19 +188,34 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama-family tensor names -> ours (`transformer.h.N.attn.c_attn`, ...)."""
-    out: dict[str, torch.Tensor] = {}
+def required(state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """`state`'s tensors by name; a missing one is refused in one line."""
 
     def need(name: str) -> torch.Tensor:
         if name not in state:
             raise ConfigError(f"the checkpoint has no tensor {name}")
         return state[name]
 
-    out["transformer.wte.weight"] = need("model.embed_tokens.weight")
-    out["transformer.ln_f.weight"] = need("model.norm.weight")
+    return need
+
+
+def embedding_and_head(
+    need: Callable[[str], torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Our token table, final norm and (untied) head from a Hugging Face decoder's names."""
+    out = {
+        "transformer.wte.weight": need("model.embed_tokens.weight"),
+        "transformer.ln_f.weight": need("model.norm.weight"),
+    }
     if not config.tie_embeddings:
         out["lm_head.weight"] = need("lm_head.weight")
+    return out
+
+
+def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama-family tensor names -> ours (`transformer.h.N.attn.c_attn`, ...)."""
+    need = required(state)
+    out = embedding_and_head(need, config)
     fused = "model.layers.0.self_attn.qkv_proj.weight" in state  # Phi-3
     for i in range(config.n_layer):
         src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
