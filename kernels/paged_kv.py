@@ -7,9 +7,9 @@ bookkeeping is the engine's (`engine.block_manager`), which hands each step its
 `AttentionMetadata` and the block copies to make first (`copy_blocks`). A step's attention is
 `plan(meta)` once, then `attend(layer, ...)` per layer, or, where the step and the backend suit
 it, one of the declared one-call paths (`has_qkv_path` -> `attend_qkv`, `has_one_call_step` ->
-`one_call_step`); a one-call layer, which reads the products' weights itself, never while
+`one_call_step`); a one-call layer, which reads the products' weights itself, runs while
 `module_forwards_only` is set (a step with LoRA adapter rows, whose updates run in the products'
-forwards). The pools hold the model's key/value heads only: with grouped-query attention,
+forwards) only if it applies the updates itself. The pools hold the model's key/value heads only: with grouped-query attention,
 `group` query heads read each of them (`kernels.gqa`).
 
 Each layer may have a sliding window (`windows`, `kernels.window`): `plan(meta)` then also plans
@@ -177,10 +177,11 @@ class KVPools:
             qkv, cos, sin, *self._layers[layer], step, n_head, out_dtype
         )
 
-    def has_one_call_step(self, plan: AttentionPlan) -> bool:
-        """Whether this step suits the compiled one-call decode of a whole layer; never under
-        `module_forwards_only` (the one call reads the products' weights itself)."""
-        if self.module_forwards_only:
+    def has_one_call_step(self, plan: AttentionPlan, applies_lora: bool = False) -> bool:
+        """Whether this step suits the compiled one-call decode of a whole layer; under
+        `module_forwards_only` only for a caller that applies the step's adapter updates itself
+        (`applies_lora`: the one call reads the products' weights, not their wrappers)."""
+        if self.module_forwards_only and not applies_lora:
             return False
         return self.backend.has_one_call_step(self.spec.dtype, plan)
 

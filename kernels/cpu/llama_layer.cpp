@@ -4,16 +4,20 @@
 // residual add. Each piece is the very kernel the Python path calls (the gptserve_cpu operators
 // through the dispatcher, ATen's add), in the same order and dtypes, so the result is that
 // path's to the bit; what goes is the Python between them, about 40 operations' worth a layer
-// (model.cpu.llama_layer installs it and has the measurements).
+// (model.cpu.llama_layer installs it and has the measurements). A step's LoRA adapter updates
+// come with it (model.lora.batched packs them), each added to its product's output rows by
+// lora::add_update, the function the products' wrappers call through the lora_update_ operator.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <torch/library.h>
 
 #include "layer_calls.h"
+#include "lora_update.h"
 
 #include <cmath>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -56,12 +60,55 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
   return tiled_product(x, weight, bias, n, 0);
 }
 
+// one adapter's update of one product: rows [r0, r1) of the step, with its a_t, its pieces
+// (c0, c1, lo, hi each) and their b_t, as lora::add_update takes them
+struct LoraUpdate {
+  int64_t product, r0, r1;
+  at::Tensor a_t;
+  at::IntArrayRef pieces;
+  at::TensorList b_ts;
+};
+
+// `meta` as model.lora.batched.LoraBank.one_call_updates writes it: per adapter run of rows,
+// r0, r1, its update count, then per update its product (0..3), its piece count and per piece
+// c0, c1, lo, hi; `weights` per update its a_t, then its pieces' b_t. The runs are checked
+// against the step's n rows here, the pieces against their product by lora::add_update.
+std::vector<LoraUpdate> read_updates(at::IntArrayRef meta, at::TensorList weights, int64_t n) {
+  std::vector<LoraUpdate> updates;
+  size_t i = 0, t = 0;
+  auto take = [&](size_t count) {
+    TORCH_CHECK(i + count <= meta.size(), "lora_meta ends early");
+    i += count;
+    return meta.slice(i - count, count);
+  };
+  auto take_weights = [&](size_t count) {
+    TORCH_CHECK(t + count <= weights.size(), "lora_weights ends early");
+    t += count;
+    return weights.slice(t - count, count);
+  };
+  while (i < meta.size()) {
+    const at::IntArrayRef run = take(3);  // r0, r1, updates
+    TORCH_CHECK(0 <= run[0] && run[0] < run[1] && run[1] <= n,
+                "a LoRA run of rows outside the step's rows");
+    for (int64_t u = 0; u < run[2]; ++u) {
+      const at::IntArrayRef head = take(2);  // product, pieces
+      TORCH_CHECK(0 <= head[0] && head[0] < 4, "a LoRA product is 0..3");
+      const at::Tensor& a_t = take_weights(1)[0];
+      const at::IntArrayRef pieces = take(4 * head[1]);
+      updates.push_back({head[0], run[0], run[1], a_t, pieces, take_weights(head[1])});
+    }
+  }
+  TORCH_CHECK(t == weights.size(), "lora_weights has more tensors than lora_meta names");
+  return updates;
+}
+
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's and ln_2's weights
 // (float32). kinds, weights, tables, biases, widths (outputs) and copies: c_attn (q, k, v),
 // attn's c_proj, c_fc (gate, then up), mlp's c_proj, each as `product` takes it. cos, sin (N, D)
 // float32: each token's rotation. The pools, step tensors and `window` (0: none; else each row's
-// query sees only its last `window` keys) are paged_decode_qkv's. Returns x after the layer,
-// (N, C) float32.
+// query sees only its last `window` keys) are paged_decode_qkv's. lora_meta and lora_weights:
+// the step's adapter updates (`read_updates`; empty: none), each added to its product's output
+// before anything reads it. Returns x after the layer, (N, C) float32.
 at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double eps,
                               at::IntArrayRef kinds, at::TensorList weights,
                               at::TensorList tables, const c10::List<std::optional<at::Tensor>>& biases,
@@ -70,7 +117,8 @@ at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double 
                               const at::Tensor& k_pool, const at::Tensor& v_pool,
                               const at::Tensor& write_block, const at::Tensor& write_offset,
                               const at::Tensor& block_tables, const at::Tensor& context_lens,
-                              int64_t n_head, int64_t window) {
+                              int64_t n_head, int64_t window, at::IntArrayRef lora_meta,
+                              at::TensorList lora_weights) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be (N, C) float32 on the CPU");
   TORCH_CHECK(norms.size() == 2, "norms: ln_1's and ln_2's weights");
@@ -83,8 +131,17 @@ at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double 
                   widths[2] % 2 == 0 && widths[3] == width,
               "a Llama layer: c_attn's (H + 2 H_kv) D outputs, c_fc's gate and up");
   const double scale = std::pow(static_cast<double>(dim), -0.5);
+  const std::vector<LoraUpdate> updates = read_updates(lora_meta, lora_weights, n);
   auto apply = [&](int64_t i, const at::Tensor& rows) {
-    return product(rows, kinds[i], weights[i], tables[i], biases.get(i), widths[i], copies[i]);
+    at::Tensor y =
+        product(rows, kinds[i], weights[i], tables[i], biases.get(i), widths[i], copies[i]);
+    for (const LoraUpdate& u : updates) {
+      if (u.product == i) {
+        lora::add_update(rows.narrow(0, u.r0, u.r1 - u.r0), y.narrow(0, u.r0, u.r1 - u.r0),
+                         u.a_t, u.pieces, u.b_ts);
+      }
+    }
+    return y;
   };
   at::Tensor qkv = apply(0, rms_norm(x, norms[0], eps));  // (N, (H + 2 H_kv) D)
   at::Tensor y = attend(qkv, cos, sin, k_pool, v_pool, write_block, write_offset, block_tables,
@@ -101,6 +158,7 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
       "llama_decode_layer(Tensor x, Tensor[] norms, float eps, int[] kinds, Tensor[] weights, "
       "Tensor[] tables, Tensor?[] biases, int[] widths, int[] copies, Tensor cos, Tensor sin, "
       "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_block, Tensor write_offset, "
-      "Tensor block_tables, Tensor context_lens, int n_head, int window=0) -> Tensor");
+      "Tensor block_tables, Tensor context_lens, int n_head, int window, int[] lora_meta, "
+      "Tensor[] lora_weights) -> Tensor");
   m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
 }

@@ -18,7 +18,9 @@ These take one call each:
 - `q8_matmul` (q8_matmul.cpp): int8 products, the rows quantized to 8 bits per block of 32 and
   multiplied byte by byte (`model.quantize.Int8Linear`);
 - `logit_stats` (logit_stats.cpp): each row of logits' argmax and log-sum-exp, what the sampler
-  reads of them (`engine.sampler`).
+  reads of them (`engine.sampler`);
+- `lora_update_` (lora_update.cpp): a LoRA adapter's update of a few rows of a product's output
+  (`model.lora.batched`), also called by the one-call Llama layer (llama_layer.cpp).
 
 They are compiled with PyTorch's extension builder (a C++ compiler and ninja, found on most
 Linux hosts; `pip install ninja` for the latter) for the host's own instruction set, the first
@@ -57,10 +59,14 @@ SOURCES = [
         "logit_stats.cpp",
         "decode_layer.cpp",
         "llama_layer.cpp",
+        "lora_update.cpp",
         "kquant_matmul.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_math.h", "vec_f32.h", "layer_calls.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("vec_math.h", "vec_f32.h", "layer_calls.h", "lora_update.h")
+]
 # OpenMP: at::parallel_for's threads are torch's. -fno-trapping-math lets loops with a clamp or
 # a select (fast_exp's) vectorize without AVX-512's masks; it changes no value computed, only
 # which floating-point exception flags may be raised, which nothing here reads.

@@ -9,8 +9,10 @@ the same kernels in the same order and dtypes from C++, so the layer's output is
 path's to the bit. It takes layers whose products are the compiled int4 kernel's (a GGUF file's
 Q4_0, Q4_1, Q4_K and Q8_0 matrices) or float32 tiles (`FewRowsLinear`, up to its few rows); any
 other layer (int8, a mixed `StackedLinear`, Qwen3's q/k norms) and any step it does not suit (a
-prefill, a cache without the one-call decode, a step with LoRA adapter rows, whose updates run in
-the products' own forwards) takes the block's own forward.
+prefill, a cache without the one-call decode) takes the block's own forward. A step with LoRA
+adapter rows (`model.lora.batched`) passes the call its layer's updates, which it adds to each
+product's output as the products' wrappers do; where it cannot (an adapter's rows not one run,
+bfloat16 adapters) the step takes the block's forward, whose products apply them.
 `python bench/cpu_parts.py --parts llama-layer` compares the two.
 """
 
@@ -27,6 +29,7 @@ from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
 from model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
 from model.gpt import Block, Rope
 from model.int4_linear import Int4Linear
+from model.lora.batched import LoraBank
 
 __all__ = ["FusedLlamaBlock", "install_llama_layers"]
 
@@ -77,6 +80,8 @@ class FusedLlamaBlock(OneCallBlock):
     """`block` (the same children and forward) whose cached forward of decoding rows is one
     `llama_decode_layer` call where the step suits it."""
 
+    lora_bank: LoraBank | None = None  # the model's adapter slots (`install_lora` sets them)
+
     def __init__(self, block: Block, op: Any) -> None:
         super().__init__(block)
         attn, mlp = block.attn, block.mlp
@@ -94,19 +99,22 @@ class FusedLlamaBlock(OneCallBlock):
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan, rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
         n = x.shape[0]
+        bank = self.lora_bank
+        updates = ([], []) if bank is None or not bank.active else bank.one_call_updates(layer)
         if (
-            n <= self.max_rows
+            updates is not None
+            and n <= self.max_rows
             and rope is not None
             and x.dtype == torch.float32
             and rope[0].dtype == torch.float32
-            and cache.has_one_call_step(plan)  # (not a step with LoRA rows)
+            and cache.has_one_call_step(plan, applies_lora=bank is not None)
             and cache.has_qkv_path(plan, torch.float32, torch.float32)
         ):
             step = cache.one_call_step(layer, plan)
             cos, sin = rope[0].view(n, -1), rope[1].view(n, -1)  # (N, D) each
             return self.op(x, self.norms, self.eps, self.kinds, self.weights, self.tables,
                            self.biases, self.widths, self.copies, cos, sin, *step,
-                           self.n_head, cache.window(layer) or 0)  # fmt: skip
+                           self.n_head, cache.window(layer) or 0, *updates)  # fmt: skip
         return super().forward_cached(x, cache, layer, plan, rope)
 
 

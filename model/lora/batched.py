@@ -16,7 +16,10 @@ piece's B (its rows, its r), times the adapter's scaling, adds into its own outp
 product for x @ A.T, one per piece after it, per adapter and layer (no zero blocks: a decode step
 reads the adapter's weights, and their bytes are its cost). Rows of one adapter that form one
 run (the scheduler groups decodes by adapter) are views; scattered ones are gathered and added
-back by index. The updates are computed in float32 by default (as PEFT computes them, even over
+back by index. On the CPU a float32 run of rows takes one compiled call instead
+(`lora_update_`, kernels/cpu/lora_update.cpp: plain loops for a decode step's few rows, where
+PyTorch's products of a few rows cost their dispatch, the same products for more). The updates
+are computed in float32 by default (as PEFT computes them, even over
 a bfloat16 base; `dtype` bfloat16 halves the bytes, a gain on a GPU: on a CPU PyTorch's bfloat16
 products of a few rows are slower) and added in the product's output dtype.
 
@@ -26,21 +29,28 @@ update it: the update must come before the activation.
 
 Compiled paths that run a whole layer without calling its products' forwards would skip the
 update: a step with adapter rows must not take them (`LoraBank.active`; the engine's runner
-turns them off with `KVPools.module_forwards_only`).
+turns them off with `KVPools.module_forwards_only`), except the Llama layer's one call
+(`model.cpu.llama_layer`), which takes the step's updates of its layer as packed arguments
+(`LoraBank.one_call_updates`) and adds them with the same compiled function on the same views,
+where each adapter's rows are one run and the adapters are float32.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from kernels.cpu.native import native_ops
 from model.activations import KERNEL_CODES, activate
 from model.lora.adapter import LoraAdapter
 
 BASE_SLOT = -1  # a row without adapter
+# a layer's products, in the order `install_lora` wraps them and `llama_decode_layer` numbers them
+PRODUCTS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class LoraShapeError(ValueError):
@@ -53,16 +63,21 @@ class LoraRankError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SlotWeights:
-    """One adapter's update of one layer, packed for its products (transposed views, as the
-    products take them): x @ a_t once for every piece, then each piece's b into its rows."""
+    """One adapter's update of one layer, packed for its products (transposed, contiguous, as
+    the compiled `lora_update_` reads them): x @ a_t once for every piece, then each piece's b
+    into its rows."""
 
     a_t: torch.Tensor  # (in, R): every piece's a, stacked, transposed
     # per piece: its columns [c0, c1) of x @ a_t, its output rows [lo, hi), b_t (c1 - c0, hi - lo)
     # (its b times the adapter's scaling)
     pieces: tuple[tuple[int, int, int, int, torch.Tensor], ...]
+    spans: list[int]  # the pieces' c0, c1, lo, hi, one after another (`lora_update_`'s)
+    b_ts: list[torch.Tensor]  # the pieces' b_t
 
 
 Rows = slice | torch.Tensor | None  # a slot's packed rows: all of them (None), a range, or indices
+# one layer's updates as llama_decode_layer's lora_meta and lora_weights take them
+OneCallUpdates = tuple[list[int], list[torch.Tensor]]
 
 
 class LoraBank:
@@ -78,6 +93,11 @@ class LoraBank:
         self.dtype = dtype  # the adapters' weights and products
         self.slots: list[LoraAdapter | None] = [None] * max_loras
         self.groups: list[tuple[int, Rows]] = []  # this step's (slot, rows); [] when none
+        # this step's (slot, first row, end) per adapter, or None: rows not in one run each
+        self.runs: list[tuple[int, int, int]] | None = []
+        # per slot: layer index -> its updates' (count, then per update its product, piece
+        # count and pieces' columns and rows), (a_t, then each piece's b_t); see `_one_call_pack`
+        self.one_call_packs: list[dict[int, OneCallUpdates]] = [{} for _ in range(max_loras)]
 
     @property
     def active(self) -> bool:
@@ -121,6 +141,7 @@ class LoraBank:
         for name, layer in self.layers.items():
             layer.weights[slot] = _pack(adapter, name, layer.device, self.dtype)
         self.slots[slot] = adapter
+        self.one_call_packs[slot] = self._one_call_pack(slot)
         self.place_wrappers()
 
     def unload(self, slot: int) -> None:
@@ -128,7 +149,39 @@ class LoraBank:
         for layer in self.layers.values():
             layer.weights[slot] = None
         self.slots[slot] = None
+        self.one_call_packs[slot] = {}
         self.place_wrappers()
+
+    def _one_call_pack(self, slot: int) -> dict[int, OneCallUpdates]:
+        """`slot`'s updates of each layer it updates, as `one_call_updates` passes them on:
+        ([count, then per update: product, pieces, then c0, c1, lo, hi per piece], [a_t, then
+        each piece's b_t])."""
+        packs: dict[int, OneCallUpdates] = {}
+        for name, layer in self.layers.items():
+            w = layer.weights[slot]
+            if w is None:
+                continue
+            _, _, index, suffix = name.split(".", 3)  # transformer.h.<index>.<product>
+            meta, tensors = packs.setdefault(int(index), ([0], []))
+            meta[0] += 1
+            meta += [PRODUCTS.index(suffix), len(w.pieces), *w.spans]
+            tensors += [w.a_t, *w.b_ts]
+        return packs
+
+    def one_call_updates(self, layer: int) -> OneCallUpdates | None:
+        """This step's adapter updates of layer `layer` as `llama_decode_layer` takes them
+        (lora_meta: per adapter its first row and end, then its pack; lora_weights), or None
+        where the call cannot take them (an adapter's rows not one run, bfloat16 adapters)."""
+        if self.runs is None:
+            return None
+        meta: list[int] = []
+        tensors: list[torch.Tensor] = []
+        for slot, r0, r1 in self.runs:
+            pack = self.one_call_packs[slot].get(layer)
+            if pack is not None:
+                meta += [r0, r1, *pack[0]]
+                tensors += pack[1]
+        return meta, tensors
 
     def place_wrappers(self, wrapped: bool | None = None) -> None:
         """Put each product's wrapper in its place in the model where a loaded adapter updates
@@ -156,10 +209,18 @@ class LoraBank:
                 self.groups.append((slot, slice(rows[0], rows[-1] + 1)))
             else:
                 self.groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        self.runs = [] if self.dtype == torch.float32 else None
+        for slot, rows in self.groups:
+            if self.runs is None or isinstance(rows, torch.Tensor):
+                self.runs = None
+                break
+            r0, r1 = (0, len(row_slots)) if rows is None else (rows.start, rows.stop)
+            self.runs.append((slot, r0, r1))
         return self.active
 
     def clear_step(self) -> None:
         self.groups = []
+        self.runs = []
 
 
 def _pack(
@@ -174,9 +235,10 @@ def _pack(
     for p in pieces:
         r = p.a.shape[0]
         b = (p.b.float() * adapter.scaling).to(device, dtype)  # (rows, r)
-        packed.append((col, col + r, p.offset, p.offset + p.rows, b.contiguous().T))
+        packed.append((col, col + r, p.offset, p.offset + p.rows, b.T.contiguous()))
         col += r
-    return SlotWeights(a.contiguous().T, tuple(packed))
+    spans = [n for piece in packed for n in piece[:4]]
+    return SlotWeights(a.T.contiguous(), tuple(packed), spans, [piece[4] for piece in packed])
 
 
 class LoraLinear(nn.Module):
@@ -199,6 +261,8 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.device = device
         self.weights: list[SlotWeights | None] = [None] * bank_slots
+        # the compiled kernels (`lora_update_`) on the CPU, else None: PyTorch's products
+        self.update_ops = _compiled_update() if device.type == "cpu" else None
         self.bank: LoraBank | None = None  # set by install_lora
         self.place: tuple[nn.Module, str] | None = None  # (parent module, attribute), likewise
 
@@ -223,8 +287,14 @@ class LoraLinear(nn.Module):
             x2 = x2.to(self.bank.dtype)
         y2 = y.view(-1, y.shape[-1])  # (N, out), the same memory as y
         in_place = y.dtype == self.bank.dtype  # the second products add into y themselves
+        compiled = self.update_ops is not None and in_place and x2.dtype == torch.float32
+        if compiled and x2.stride(-1) != 1:
+            x2 = x2.contiguous()
         for w, rows in work:
-            if rows is None or isinstance(rows, slice):  # all rows, or one run: views
+            if compiled and not isinstance(rows, torch.Tensor):  # the compiled update
+                x_rows, y_rows = (x2, y2) if rows is None else (x2[rows], y2[rows])
+                self.update_ops.lora_update_(y_rows, x_rows, w.a_t, w.spans, w.b_ts)
+            elif rows is None or isinstance(rows, slice):  # all rows, or one run: views
                 h = torch.mm(x2 if rows is None else x2[rows], w.a_t)  # (n, R)
                 for c0, c1, lo, hi, b_t in w.pieces:
                     out = y2[:, lo:hi] if rows is None else y2[rows, lo:hi]  # (n, rows)
@@ -238,6 +308,12 @@ class LoraLinear(nn.Module):
                     delta = torch.mm(h[:, c0:c1], b_t)  # (n, rows)
                     y2[:, lo:hi].index_add_(0, rows, delta if in_place else delta.to(y.dtype))
         return y if pre is None else activate(y, self.activation)
+
+
+def _compiled_update() -> Any | None:
+    """The compiled kernels where they have `lora_update_` (`kernels.cpu.native`), else None."""
+    ops = native_ops()
+    return ops if ops is not None and hasattr(ops, "lora_update_") else None
 
 
 _CODE_NAMES = {code: name for name, code in KERNEL_CODES.items()}
@@ -299,7 +375,8 @@ def install_lora(
     shapes = _product_shapes(model)
     layers: dict[str, LoraLinear] = {}
     for i, block in enumerate(model.transformer.h):
-        for suffix, (n_in, n_out) in shapes.items():
+        for suffix in PRODUCTS:
+            n_in, n_out = shapes[suffix]
             parent_name, _, child = suffix.partition(".")
             parent = getattr(block, parent_name)
             base = getattr(parent, child)
@@ -309,5 +386,8 @@ def install_lora(
     bank = LoraBank(layers, max_loras, max_rank, dtype or torch.float32)
     for wrapper in layers.values():
         wrapper.bank = bank
+    for block in model.transformer.h:
+        if hasattr(block, "lora_bank"):  # a one-call layer that applies the updates itself
+            block.lora_bank = bank
     model.lora_slots = bank
     return bank

@@ -1,6 +1,7 @@
 """A Llama-family layer's decode step as one compiled call (`model.cpu.llama_layer`): installed
 where a layer fits (int4 products as a GGUF file's, or float32 tiles), the Engine's tokens and
-logprobs the Python path's to the bit, and every step it does not suit left to that path."""
+logprobs the Python path's to the bit, with and without LoRA adapter rows in the step, and every
+step it does not suit left to that path."""
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from model.cpu.llama_layer import FusedLlamaBlock
 from model.gguf.blocks import Int4Groups
 from model.gpt import Block
 from model.int4_linear import Int4Linear
+from model.lora.batched import install_lora
+from tests.lora_testing import random_adapter
 from tests.model.cpu.engine_runs import decode_together
 
 OPS = native.native_ops() if native.enabled() else None
@@ -73,6 +76,55 @@ def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, w
     assert decode_together(model, n_seq, VOCAB) == fused  # tokens and logprobs, exactly
 
 
+@pytest.mark.parametrize("int4", [True, False], ids=["int4", "float32-tiles"])
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+def test_steps_with_lora_rows_decode_the_python_paths_bits(monkeypatch, int4, lora_dtype):
+    model = _llama(int4)
+    bank = install_lora(model, max_loras=3, max_rank=8, dtype=lora_dtype)
+    assert all(b.lora_bank is bank for b in model.transformer.h)
+    adapters = [random_adapter(model.config, name, seed=i, std=0.3) for i, name in
+                enumerate("abc")]  # fmt: skip
+    updates = []  # per call: its lora_meta
+    op = model.transformer.h[0].op
+    for block in model.transformer.h:
+        block.op = lambda *args, _op=op: updates.append(args[-2]) or _op(*args)
+    n_seq = 6  # requests of a, b, c, the base, a, b (fewer as requests end)
+    fused = decode_together(model, n_seq, VOCAB, bank, adapters)
+    if lora_dtype == torch.float32:  # the call took steps with adapter rows
+        assert any(meta for meta in updates)
+        assert not bank.active  # the runner cleared the step
+    else:  # bfloat16 adapters: steps with adapter rows take the products' wrappers
+        assert not any(meta for meta in updates)
+    monkeypatch.setattr(FusedLlamaBlock, "forward_cached", Block.forward_cached)
+    assert decode_together(model, n_seq, VOCAB, bank, adapters) == fused  # exactly
+    base = decode_together(model, n_seq, VOCAB, bank, [])
+    for i in range(n_seq - 1):  # the adapters change what their rows decode
+        if i % 4 != 3:
+            assert fused[1][str(i)] != base[1][str(i)]
+
+
+def test_the_op_refuses_lora_updates_that_do_not_fit():
+    block = _llama(int4=True).transformer.h[0]
+    x = torch.randn(2, 64)
+    pools = torch.zeros(2, 16, 2, 16)
+    slots = torch.zeros(2, dtype=torch.long)
+    rot = torch.ones(2, 16)
+    step = (pools, pools.clone(), slots, slots.clone(), torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32))  # fmt: skip
+    a_t, b_t = torch.randn(64, 4), torch.randn(4, 64)
+    cases = {  # lora_meta -> the message
+        (0, 3, 1, 1, 1, 0, 4, 0, 64): "outside the step's rows",
+        (0, 2, 1, 4, 1, 0, 4, 0, 64): "product is 0..3",
+        (0, 2, 1, 1, 1, 0, 4, 32, 96): "does not fit its product",
+        (0, 2, 1, 1, 2, 0, 4, 0, 64): "ends early",
+    }
+    for meta, message in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            block.op(x, block.norms, block.eps, block.kinds, block.weights, block.tables,
+                     block.biases, block.widths, block.copies, rot, rot, *step, block.n_head,
+                     0, list(meta), [a_t, b_t])  # fmt: skip
+
+
 def test_layers_that_do_not_fit_keep_their_block():
     assert all(type(b) is Block for b in _llama(int4=True, qk_norm=True).transformer.h)
     model = _llama(int4=False)
@@ -94,4 +146,5 @@ def test_the_op_refuses_a_layer_of_another_shape():
             torch.ones(1, dtype=torch.int32))  # fmt: skip
     with pytest.raises(RuntimeError, match="a Llama layer"):
         block.op(x, block.norms, block.eps, block.kinds, block.weights, block.tables,
-                 block.biases, block.widths, block.copies, rot, rot, *step, block.n_head)  # fmt: skip
+                 block.biases, block.widths, block.copies, rot, rot, *step, block.n_head, 0,
+                 [], [])  # fmt: skip
