@@ -1,19 +1,27 @@
 """Offline generation: stream a completion for a prompt to the terminal through the Engine.
 
 python -m engine --model PATH "To be, or not to be"
+python -m engine --model BASE --lora ADAPTER_DIR "To be, or not to be"   # a PEFT LoRA adapter
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
+from pathlib import Path
 
+from engine.adapters import read_adapter
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestError
 from engine.loader import ModelLoadError, load_for_inference
 from engine.sampler import SamplingParams
+from model import GPT
 from model.dtypes import DTYPES
 from model.known_models import FetchError, resolve_model
+from model.lora.adapter import LoraAdapter
+from model.lora.batched import LoraBank, install_lora
 from model.quantize import QUANTIZATIONS
 
 
@@ -47,7 +55,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-cache-dtype", default="auto", choices=("auto", *sorted(DTYPES)),
         help="the KV cache's dtype; auto: the model's (see python -m server)",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora", default=None, metavar="DIR",
+        help="a PEFT LoRA adapter directory (train.py --lora-rank writes one) to generate with, "
+        "on --model as its base",
+    )  # fmt: skip
     return parser.parse_args(argv)
+
+
+def with_adapter(model: GPT, directory: str) -> tuple[LoraBank, LoraAdapter]:
+    """One LoRA slot on `model` (loaded for inference) for the adapter at `directory`, and the
+    adapter, named after its directory; raises AdapterError (one line) if it cannot be read or
+    does not fit the model."""
+    adapter = read_adapter(directory, model.config, Path(directory).resolve().name)
+    ranks = [p.a.shape[0] for pieces in adapter.pieces.values() for p in pieces]
+    return install_lora(model, 1, max([adapter.rank, *ranks])), adapter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,13 +90,26 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             max_num_seqs=max(1, args.n), kv_cache_dtype=DTYPES.get(args.kv_cache_dtype)
         )
-        engine = Engine(loaded.model, tokenizer, config)
+        bank, adapter = with_adapter(loaded.model, args.lora) if args.lora else (None, None)
+        engine = Engine(loaded.model, tokenizer, config, lora=bank)
+        if adapter is not None:
+            engine.adapters.load(adapter.name, adapter, args.lora)  # checks its shapes
+            params = dataclasses.replace(params, lora=adapter.name)
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)
     except (ModelLoadError, FetchError, RequestError, RuntimeError,
             ValueError) as exc:  # fmt: skip
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _stream(engine, args)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _stream(engine: Engine, args: argparse.Namespace) -> int:
+    """Print the request's completions as they come; 1 if it failed."""
     texts: dict[int, list[str]] = {i: [] for i in range(args.n)}
     while engine.has_work():
         for event in engine.step():

@@ -101,3 +101,61 @@ def test_a_tiny_temperature_is_greedy_as_over_http(tiny_dir):
     greedy = _run("--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "0")
     assert tiny.returncode == 0, tiny.stderr
     assert tiny.stdout == greedy.stdout
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_dir, tmp_path_factory):
+    """A PEFT adapter for the tiny model (in a directory named "poet") and one for a wider
+    model."""
+    from model.lora.peft_format import write_peft
+    from tests.lora_testing import random_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    config = load_checkpoint(tiny_dir).config
+    write_peft(random_adapter(config, "poet", std=0.5), root / "poet", config, str(tiny_dir))
+    other = ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=64)
+    write_peft(random_adapter(other, "wide"), root / "wide", other, "another")
+    return root
+
+
+def test_an_adapter_gives_its_merged_models_greedy_text(tiny_dir, adapter_dirs):
+    from model.lora.peft_format import read_peft
+    from tests.lora_testing import merged
+
+    args = ["--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "0"]
+    out = _run(*args, "--lora", str(adapter_dirs / "poet"))
+    assert out.returncode == 0, out.stderr
+    base = load_checkpoint(tiny_dir)
+    tok = get_tokenizer()
+    engine = Engine(merged(base, read_peft(adapter_dirs / "poet", base.config)), tok)
+    engine.add_request("g", tok.encode("To be"), SamplingParams(temperature=0, max_tokens=12))
+    text = ""
+    while engine.has_work():
+        text += "".join(e.text for e in engine.step())
+    assert text and out.stdout == text + "\n"
+    assert out.stdout != _run(*args).stdout  # the adapter changes the text
+
+
+@pytest.mark.parametrize(
+    "adapter, message",
+    [("missing", "no adapter directory"), ("wide", "do not fit the base model's")],
+)
+def test_an_adapter_that_cannot_be_used_is_one_line(tiny_dir, adapter_dirs, adapter, message):
+    out = _run("--model", str(tiny_dir), "x", "--lora", str(adapter_dirs / adapter))
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.count("\n") == 1
+    assert "Traceback" not in out.stderr
+
+
+def test_a_reader_that_goes_away_stops_it_quietly(tiny_dir):
+    """`python -m engine ... | head -1`: no traceback when the pipe closes."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "--model", str(tiny_dir), "To be", "--max-tokens",
+         "60", "--seed", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.read(1)
+    proc.stdout.close()  # the reader goes away while it still writes
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
