@@ -1,11 +1,13 @@
 """POST /v1/responses (whole, or streamed as typed server-sent events), GET and DELETE
-/v1/responses/{id}.
+/v1/responses/{id}, GET /v1/responses/{id}/input_items.
 
 A request runs as the chat completion `server.responses.request` makes of it, through the chat
 path's admission, engine events and tool-call parser (`server.openai_api`); only the answer's
 shape is this module's: output items (an assistant `message` with `output_text`, and a
 `function_call` per call), `status` ("incomplete" when `max_output_tokens` cut it short) and
-`usage` in the Responses API's names, and for a stream the events that build them.
+`usage` in the Responses API's names, the message's logprobs when asked for, and for a stream
+the events that build them. A stored response keeps its input items (each given an id) for
+`input_items` and `previous_response_id`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from server.errors import APIError
+from server.errors import APIError, bad_request
 from server.openai_api import SSE_HEADERS, AcceptedRequest, accept, collect, stream_pieces
 from server.protocol import ERROR_RESPONSES
 from server.responses.request import ChatForm, ResponsesRequest, rename_error, to_chat
@@ -46,10 +48,21 @@ _SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
 # ---- the answers' shapes (for the OpenAPI schema; the handlers build them as plain dicts) ----
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"]
     text: str
     annotations: list[Any]
+    logprobs: list[TokenLogprob]  # empty unless include asks for them (or top_logprobs > 0)
 
 
 class OutputMessage(BaseModel):
@@ -111,6 +124,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     tool_choice: str | dict[str, Any]
     tools: list[dict[str, Any]]
+    top_logprobs: int
     top_p: float
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
@@ -122,6 +136,14 @@ class ResponseDeleted(BaseModel):
     id: str
     object: Literal["response.deleted"]
     deleted: bool
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]  # message, function_call and function_call_output items
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 def _new_id(prefix: str) -> str:
@@ -182,6 +204,7 @@ class Shape:
             "text": req.text_format,
             "tool_choice": req.tool_choice or "auto",
             "tools": self.form.tools,
+            "top_logprobs": req.top_logprobs or 0,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -193,27 +216,51 @@ class Shape:
         """The finished response object, stored when the request asks for it."""
         out = self.body(status, output)
         if out["store"]:
-            conversation = self.form.items + [_as_input(item) for item in output]
-            _store(request).put(_tenant(request), out, conversation)
+            inputs = [item if "id" in item else {**item, "id": _new_id(ITEM_IDS[item["type"]])}
+                      for item in self.form.items]  # fmt: skip
+            conversation = inputs + [_as_input(item) for item in output]
+            _store(request).put(_tenant(request), out, conversation, len(inputs))
         return out
 
 
+ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # id prefixes
+
+
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as the input item a later request continues from."""
+    """An output item as the input item a later request continues from (its id kept)."""
     if item["type"] == "message":
         text = "".join(part["text"] for part in item["content"])
-        return {"type": "message", "role": "assistant", "content": text}
+        return {"type": "message", "role": "assistant", "content": text, "id": item["id"]}
     return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-            "arguments": item["arguments"]}  # fmt: skip
+            "arguments": item["arguments"], "id": item["id"]}  # fmt: skip
 
 
-def _message(text: str, status: str) -> dict[str, Any]:
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored (normalised) input item as `input_items` lists it."""
+    if item["type"] != "message":
+        return {**item, "status": "completed"}
+    assistant = item["role"] == "assistant"
+    part: dict[str, Any] = {"type": "output_text" if assistant else "input_text",
+                            "text": item["content"]}  # fmt: skip
+    if assistant:
+        part["annotations"] = []
+    return {"type": "message", "id": item["id"], "role": item["role"], "status": "completed",
+            "content": [part]}  # fmt: skip
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _message(
+    text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     return {
         "type": "message",
         "id": _new_id("msg"),
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
+        "content": [_text_part(text, logprobs)],
     }
 
 
@@ -281,7 +328,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         message = parser.parse_all(text)
         text, calls = message["content"] or "", message.get("tool_calls", [])
         accepted.count_tool_calls(calls)
-    output = [_message(text, "completed")] if text or not calls else []
+    lps = accepted.logprobs(choice)  # every generated token's (None: not asked for)
+    logprobs = lps["content"] if lps else None
+    output = [_message(text, "completed", logprobs)] if text or not calls else []
     output += [_call(call, "completed") for call in calls]
     output[-1]["status"] = status  # what was cut short is the last item (as a stream ends it)
     return JSONResponse(shape.finish(request, status, output))
@@ -304,6 +353,41 @@ async def delete_response(response_id: str, request: Request) -> dict:
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
+@router.get(
+    "/v1/responses/{response_id}/input_items", response_model=InputItemList,
+    responses=ERROR_RESPONSES,
+)  # fmt: skip
+async def list_input_items(
+    response_id: str, request: Request, limit: int = 20,
+    order: Literal["asc", "desc"] = "desc", after: str | None = None,
+) -> dict:  # fmt: skip
+    """The items a stored response answered (those of `previous_response_id` first, then its
+    own `input`), newest first unless `order` is asc, `limit` (1..100) a page, from after the
+    item `after`."""
+    stored = _store(request).get(_tenant(request), response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be between 1 and 100", "limit")
+    items = [_listed(item) for item in stored.conversation[: stored.inputs]]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in response {response_id!r}",
+                              "after")  # fmt: skip
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
 def _not_found(response_id: str) -> APIError:
     return APIError(
         404, f"no stored response {response_id!r}", param="response_id", code="not_found"
@@ -320,6 +404,8 @@ class _Events:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being written
+        self.logprobs: list[dict[str, Any]] = []  # the open message's tokens' logprobs
+        self.pending: list[dict[str, Any]] = []  # tokens' logprobs not sent with a delta yet
 
     def event(self, kind: str, **fields: Any) -> bytes:  # noqa: ANN401
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -331,23 +417,28 @@ class _Events:
     def index(self) -> int:
         return len(self.output)
 
-    def text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
+        """More of the message's text, and the logprobs of the tokens that brought it (those
+        of tokens that brought no text go with the next delta)."""
         out = []
+        self.pending += logprobs or []
         if self.open is None or self.open["type"] != "message":
             out += self.close("completed")
             self.open = {**_message("", "in_progress"), "content": []}
             out.append(self.event("response.output_item.added", output_index=self.index,
                                   item=self.open))  # fmt: skip
-            part = {"type": "output_text", "text": "", "annotations": []}
             out.append(self.event("response.content_part.added", item_id=self.open["id"],
-                                  output_index=self.index, content_index=0, part=part))  # fmt: skip
+                                  output_index=self.index, content_index=0,
+                                  part=_text_part("")))  # fmt: skip
             self.open["text"] = ""
         self.open["text"] += delta
         if not delta:
             return out
+        sent, self.pending = self.pending, []
+        self.logprobs += sent
         out.append(self.event("response.output_text.delta", item_id=self.open["id"],
                               output_index=self.index, content_index=0, delta=delta,
-                              logprobs=[]))  # fmt: skip
+                              logprobs=sent))  # fmt: skip
         return out
 
     def call(self, piece: dict[str, Any]) -> list[bytes]:
@@ -375,10 +466,11 @@ class _Events:
         out = []
         if item["type"] == "message":
             text = item.pop("text")
-            part = {"type": "output_text", "text": text, "annotations": []}
+            logprobs, self.logprobs, self.pending = self.logprobs + self.pending, [], []
+            part = _text_part(text, logprobs)
             out.append(self.event("response.output_text.done", item_id=item["id"],
                                   output_index=self.index, content_index=0, text=text,
-                                  logprobs=[]))  # fmt: skip
+                                  logprobs=logprobs))  # fmt: skip
             out.append(self.event("response.content_part.done", item_id=item["id"],
                                   output_index=self.index, content_index=0, part=part))  # fmt: skip
             item = {**item, "content": [part]}
@@ -406,9 +498,12 @@ async def _stream(shape: Shape, request: Request) -> AsyncIterator[bytes]:
             async for piece in pieces:
                 delta = piece["delta"]
                 finish_reason = piece["finish_reason"] or finish_reason
+                logprobs = (piece.get("logprobs") or {}).get("content")
                 if delta.get("content"):
-                    for chunk in events.text(delta["content"]):
+                    for chunk in events.text(delta["content"], logprobs):
                         yield chunk
+                elif logprobs:  # tokens whose text is not out yet (or went into a call)
+                    events.pending += logprobs
                 for call in delta.get("tool_calls", []):
                     for chunk in events.call(call):
                         yield chunk

@@ -3,7 +3,8 @@
 `input` (a string, or message, `function_call` and `function_call_output` items), `instructions`
 (a system message first), the flat function `tools`, `tool_choice`, `text.format` and
 `max_output_tokens` become `messages`, `tools`, `tool_choice`, `response_format` and
-`max_completion_tokens`; everything else the chat path checks (`Validator.chat`). Its errors
+`max_completion_tokens`, and `include: ["message.output_text.logprobs"]` or `top_logprobs` the
+chat's `logprobs` and `top_logprobs`; everything else the chat path checks (`Validator.chat`). Its errors
 come back naming the Responses field (`rename_error`). Fields OpenAI defines that this server
 cannot honour (built-in tools, `background`, `reasoning`, ...) are a 400 naming the field unless
 their value asks for what happens anyway; unknown fields are ignored with one log line.
@@ -36,17 +37,16 @@ FIELD_NAMES = {
 UNHONOURED = {
     "background": Unhonoured("responses are answered in the request", (False,)),
     "conversation": Unhonoured("there are no conversation objects; use previous_response_id"),
-    "include": Unhonoured("there is nothing more to include", ([],)),
     "reasoning": Unhonoured("the model does not reason in a separate channel", ({},)),
     "prompt": Unhonoured("there are no stored prompt templates"),
     "truncation": Unhonoured(
         "a conversation is never truncated; a long one is a 400", ("disabled",)
     ),  # fmt: skip
-    "top_logprobs": Unhonoured("logprobs are not returned by this endpoint", (0,)),
     "max_tool_calls": Unhonoured("use parallel_tool_calls: false for one call"),
     "service_tier": Unhonoured("there is one tier", ("auto", "default")),
     "context_management": Unhonoured("a conversation is never compacted"),
 }
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value: the answer's logprobs
 ACCEPTED_EXTRAS = ("prompt_cache_key", "safety_identifier", "stream_options", "prompt_cache_retention")  # fmt: skip
 
 
@@ -104,6 +104,18 @@ class ResponsesRequest(BaseModel):
     )
     metadata: dict[str, str] | None = Field(None, description="up to 16 string pairs, echoed")
     user: str | None = None
+    include: list[str] | None = Field(
+        None, description=f"[\"{LOGPROBS}\"]: the message's tokens' logprobs"
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="0..--max-logprobs: alternatives for each token (logprobs included)",
+    )  # fmt: skip
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the answer's text comes with its tokens' logprobs."""
+        return LOGPROBS in (self.include or []) or (self.top_logprobs or 0) > 0
 
     @property
     def text_format(self) -> dict[str, Any]:
@@ -138,6 +150,10 @@ def check_fields(req: ResponsesRequest) -> None:
                 ignored.append(name)
         elif not rule.accepts(value):
             refused.append((name, rule))
+    for value in req.include or []:
+        if value != LOGPROBS:
+            refused.append(("include", Unhonoured(f"{value!r}: only {LOGPROBS!r} can be included")))
+            break
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         refused.append(("text", Unhonoured("text.verbosity: the model has one verbosity")))
     refuse_or_log(refused, ignored)
@@ -174,6 +190,9 @@ def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatForm:
         "user": req.user,
         "parallel_tool_calls": req.parallel_tool_calls,
     }
+    if req.wants_logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     if tools:
         body["tools"] = [
             {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
@@ -228,21 +247,21 @@ def _read_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         role = item.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "input")
-        return {"type": "message", "role": role,
-                "content": _text(item.get("content"), f"{where}.content")}  # fmt: skip
+        return _with_id(item, {"type": "message", "role": role,
+                               "content": _text(item.get("content"), f"{where}.content")})  # fmt: skip
     if kind == "function_call":
         out = {"type": "function_call"}
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
                 raise bad_request(f"{where}.{key} must be a non-empty string", "input")
             out[key] = item[key]
-        return out
+        return _with_id(item, out)
     if kind == "function_call_output":
         call_id = item.get("call_id")
         if not isinstance(call_id, str) or not call_id:
             raise bad_request(f"{where}.call_id must be a non-empty string", "input")
-        return {"type": "function_call_output", "call_id": call_id,
-                "output": _text(item.get("output"), f"{where}.output")}  # fmt: skip
+        return _with_id(item, {"type": "function_call_output", "call_id": call_id,
+                               "output": _text(item.get("output"), f"{where}.output")})  # fmt: skip
     if kind is None:
         raise bad_request(f"{where}: an item needs a type (or a role: a message)", "input")
     raise bad_request(
@@ -250,6 +269,13 @@ def _read_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         "function_call_output are)",
         "input",
     )
+
+
+def _with_id(item: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """`out` with the `id` the client gave the item (an output item sent back keeps its id)."""
+    if isinstance(item.get("id"), str) and item["id"]:
+        out["id"] = item["id"]
+    return out
 
 
 def _text(content: object, where: str) -> str:

@@ -20,6 +20,7 @@ class StoredResponse:
     body: dict[str, Any]  # the response object, as answered
     conversation: list[dict[str, Any]]  # its input items (after any earlier ones) and its output
     size: int  # bytes of JSON, counted against the tenant's bound
+    inputs: int = 0  # how many of `conversation` are its input items (input_items lists them)
 
 
 class ResponseStore:
@@ -32,15 +33,17 @@ class ResponseStore:
         self._bytes: dict[str | None, int] = {}
 
     def put(
-        self, tenant: str | None, body: dict[str, Any], conversation: list[dict[str, Any]]
-    ) -> bool:
-        """Keep a response (by its id); False when the bounds leave no room for it."""
+        self, tenant: str | None, body: dict[str, Any], conversation: list[dict[str, Any]],
+        inputs: int = 0,
+    ) -> bool:  # fmt: skip
+        """Keep a response (by its id) and its conversation, the first `inputs` items of it
+        the response's input; False when the bounds leave no room for it."""
         size = len(json.dumps(body)) + len(json.dumps(conversation))
         if self.per_tenant < 1 or size > self.max_bytes:
             return False
         kept = self._tenants.setdefault(tenant, OrderedDict())
         self.delete(tenant, body["id"])
-        kept[body["id"]] = StoredResponse(body, conversation, size)
+        kept[body["id"]] = StoredResponse(body, conversation, size, inputs)
         self._bytes[tenant] = self._bytes.get(tenant, 0) + size
         while len(kept) > self.per_tenant or self._bytes[tenant] > self.max_bytes:
             _, dropped = kept.popitem(last=False)

@@ -3,7 +3,8 @@ random-weight models (the ChatML one whose template renders tools, and the plain
 tests/server/chat/tools/test_tools.py): a greedy response says what the same chat completion
 says, whole and streamed (the typed events in order, their deltas joining to the final text),
 instructions, max_output_tokens, json_schema, a tool round trip, previous_response_id, the
-store per API key, and a 400 naming the field for what cannot be honoured."""
+store per API key, the message's logprobs (the chat completion's), input_items, and a 400
+naming the field for what cannot be honoured."""
 
 from __future__ import annotations
 
@@ -297,6 +298,97 @@ def test_previous_response_id_continues_the_conversation(plain: LiveServer) -> N
     assert texts(fourth) == texts(third)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_logprobs_are_the_chat_completions(plain: LiveServer, stream: bool) -> None:
+    chat = client_of(plain).chat.completions.create(
+        model=name(plain), messages=[{"role": "user", "content": "Hello there"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert len(expected) == 6 and all(len(e["top_logprobs"]) == 3 for e in expected)
+    fields = dict(model=name(plain), input="Hello there", max_output_tokens=6, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=3)  # fmt: skip
+    if stream:
+        events, answer = streamed(plain, **fields)
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        joined = [lp.model_dump() for e in deltas for lp in e.logprobs]
+        assert joined == expected  # each delta brings its tokens' logprobs
+        done = next(e for e in events if e.type == "response.output_text.done")
+        assert [lp.model_dump() for lp in done.logprobs] == expected
+    else:
+        answer = client_of(plain).responses.create(**fields)
+    part = answer.output[0].content[0]
+    assert [lp.model_dump() for lp in part.logprobs] == expected
+    assert "".join(e["token"] for e in expected) == part.text
+    assert answer.top_logprobs == 3
+    # include alone: the tokens' logprobs without alternatives; neither: none
+    alone = client_of(plain).responses.create(**{**fields, "top_logprobs": None})
+    got = alone.output[0].content[0].logprobs
+    assert [lp.logprob for lp in got] == [e["logprob"] for e in expected]
+    assert all(lp.top_logprobs == [] for lp in got)
+    plain_answer = client_of(plain).responses.create(
+        model=name(plain), input="Hello there", max_output_tokens=6, temperature=0
+    )
+    assert plain_answer.output[0].content[0].logprobs == [] and plain_answer.top_logprobs == 0
+
+
+def test_input_items_lists_what_a_stored_response_answered(plain: LiveServer) -> None:
+    client = client_of(plain)
+    first = client.responses.create(
+        model=name(plain), input=[{"role": "developer", "content": "Be brief."},
+                                  {"role": "user", "content": "One"}],
+        max_output_tokens=3, temperature=0,
+    )  # fmt: skip
+    second = client.responses.create(
+        model=name(plain), previous_response_id=first.id, input="Two", max_output_tokens=3
+    )
+    listed = client.responses.input_items.list(first.id, order="asc")
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in listed.data] == [
+        ("message", "developer", "input_text", "Be brief."),
+        ("message", "user", "input_text", "One"),
+    ]
+    page = client.responses.input_items.list(second.id)  # newest first
+    data = page.data
+    assert [(i.role, i.content[0].text) for i in data] == [
+        ("user", "Two"), ("assistant", texts(first)[0]), ("user", "One"),
+        ("developer", "Be brief."),
+    ]  # fmt: skip
+    assert data[1].id == first.output[0].id and data[1].content[0].type == "output_text"
+    assert data[2].id == listed.data[1].id  # an item keeps its id in the responses after it
+    assert len({i.id for i in data}) == 4 and all(i.status == "completed" for i in data)
+    assert page.first_id == data[0].id and page.last_id == data[-1].id and not page.has_more
+    # pages of two, after a cursor
+    url = f"{plain.url}/v1/responses/{second.id}/input_items"
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    r = httpx.get(url, params={"limit": 2}, headers=headers, timeout=10).json()
+    assert [i["id"] for i in r["data"]] == [i.id for i in data[:2]] and r["has_more"]
+    r = httpx.get(url, params={"limit": 2, "after": r["last_id"]}, headers=headers,
+                  timeout=10).json()  # fmt: skip
+    assert [i["id"] for i in r["data"]] == [i.id for i in data[2:]] and not r["has_more"]
+    for params, param in (({"limit": 0}, "limit"), ({"after": "msg_nope"}, "after")):
+        r = httpx.get(url, params=params, headers=headers, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.NotFoundError):
+        client_of(plain, KEYS[1]).responses.input_items.list(second.id)  # another key's
+
+
+def test_input_items_of_calls_and_their_outputs(plain: LiveServer) -> None:
+    client = client_of(plain)
+    call = {"type": "function_call", "id": "fc_given", "call_id": "call_1", "name": "get_time",
+            "arguments": "{}"}  # fmt: skip
+    answer = client.responses.create(
+        model=name(plain), input=[{"role": "user", "content": "Time?"}, call,
+                                  {"type": "function_call_output", "call_id": "call_1",
+                                   "output": "noon"}],
+        max_output_tokens=2,
+    )  # fmt: skip
+    data = client.responses.input_items.list(answer.id, order="asc").data
+    assert [i.type for i in data] == ["message", "function_call", "function_call_output"]
+    assert data[1].id == "fc_given" and data[1].name == "get_time" and data[1].arguments == "{}"
+    assert data[2].call_id == "call_1" and data[2].output == "noon"
+    assert data[2].id.startswith("fco_")
+
+
 def error_of(exc: pytest.ExceptionInfo) -> dict:
     body = exc.value.body
     assert set(body) == {"message", "type", "param", "code"}, body
@@ -367,7 +459,9 @@ BAD = [
     ({"max_output_tokens": 10**6}, "max_output_tokens", "context length"),
     ({"background": True}, "background", "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text"),
+    ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs", "top_logprobs"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "16"),
     ({"metadata": {"k": 3}}, "metadata", "metadata"),
