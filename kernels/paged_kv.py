@@ -8,9 +8,9 @@ bookkeeping is the engine's (`engine.block_manager`), which hands each step its
 `plan(meta)` once, then `attend(layer, ...)` per layer, or, where the step and the backend suit
 it, one of the declared one-call paths (`has_qkv_path` -> `attend_qkv`, `has_one_call_step` ->
 `one_call_step`); a one-call layer, which reads the products' weights itself, runs while
-`module_forwards_only` is set (a step with LoRA adapter rows, whose updates run in the products'
-forwards) only if it applies the updates itself. The pools hold the model's key/value heads only: with grouped-query attention,
-`group` query heads read each of them (`kernels.gqa`).
+`module_forwards_only` is set (a step with LoRA adapter rows, whose updates run in the
+products' forwards) only if it applies the updates itself. The pools hold the model's key/value
+heads only: with grouped-query attention, `group` query heads read each of them (`kernels.gqa`).
 
 Each layer may have a sliding window (`windows`, `kernels.window`): `plan(meta)` then also plans
 each distinct window once, from the step's metadata trimmed to the blocks that window reaches,
@@ -78,7 +78,8 @@ class KVPools:
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.block_size = block_size
         # True for a step whose model products must each run their own forward (a step with
-        # LoRA adapter rows: the update is applied there): no one-call layer takes it
+        # LoRA adapter rows: the update is applied there): only a one-call layer that applies
+        # the updates itself takes it (`has_one_call_step`'s `applies_lora`)
         self.module_forwards_only = False
 
     @classmethod

@@ -76,13 +76,13 @@ struct LoraUpdate {
 std::vector<LoraUpdate> read_updates(at::IntArrayRef meta, at::TensorList weights, int64_t n) {
   std::vector<LoraUpdate> updates;
   size_t i = 0, t = 0;
-  auto take = [&](size_t count) {
-    TORCH_CHECK(i + count <= meta.size(), "lora_meta ends early");
+  auto take = [&](int64_t count) {  // the next `count` numbers (count checked >= 0 first)
+    TORCH_CHECK(static_cast<size_t>(count) <= meta.size() - i, "lora_meta ends early");
     i += count;
     return meta.slice(i - count, count);
   };
-  auto take_weights = [&](size_t count) {
-    TORCH_CHECK(t + count <= weights.size(), "lora_weights ends early");
+  auto take_weights = [&](int64_t count) {
+    TORCH_CHECK(static_cast<size_t>(count) <= weights.size() - t, "lora_weights ends early");
     t += count;
     return weights.slice(t - count, count);
   };
@@ -90,9 +90,11 @@ std::vector<LoraUpdate> read_updates(at::IntArrayRef meta, at::TensorList weight
     const at::IntArrayRef run = take(3);  // r0, r1, updates
     TORCH_CHECK(0 <= run[0] && run[0] < run[1] && run[1] <= n,
                 "a LoRA run of rows outside the step's rows");
+    TORCH_CHECK(run[2] >= 0, "a negative LoRA update count");
     for (int64_t u = 0; u < run[2]; ++u) {
       const at::IntArrayRef head = take(2);  // product, pieces
       TORCH_CHECK(0 <= head[0] && head[0] < 4, "a LoRA product is 0..3");
+      TORCH_CHECK(head[1] >= 0 && head[1] <= (1 << 20), "a LoRA piece count out of range");
       const at::Tensor& a_t = take_weights(1)[0];
       const at::IntArrayRef pieces = take(4 * head[1]);
       updates.push_back({head[0], run[0], run[1], a_t, pieces, take_weights(head[1])});

@@ -91,7 +91,8 @@ void check(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a_t,
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0),
               "LoRA update: x (n, in) and y (n, out)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-                  a_t.scalar_type() == at::kFloat && x.device().is_cpu() && y.device().is_cpu(),
+                  a_t.scalar_type() == at::kFloat && x.device().is_cpu() && y.device().is_cpu() &&
+                  a_t.device().is_cpu(),
               "LoRA update: float32 on the CPU");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "LoRA update: rows of unit column stride");
   TORCH_CHECK(a_t.dim() == 2 && a_t.size(0) == x.size(1) && a_t.is_contiguous(),
@@ -104,7 +105,7 @@ void check(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a_t,
     const at::Tensor& b = b_ts[k];
     TORCH_CHECK(0 <= c0 && c0 < c1 && c1 <= rank && 0 <= lo && lo < hi && hi <= y.size(1) &&
                     b.dim() == 2 && b.size(0) == c1 - c0 && b.size(1) == hi - lo &&
-                    b.scalar_type() == at::kFloat && b.is_contiguous(),
+                    b.scalar_type() == at::kFloat && b.device().is_cpu() && b.is_contiguous(),
                 "a LoRA piece that does not fit its product");
   }
 }

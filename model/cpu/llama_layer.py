@@ -12,7 +12,7 @@ other layer (int8, a mixed `StackedLinear`, Qwen3's q/k norms) and any step it d
 prefill, a cache without the one-call decode) takes the block's own forward. A step with LoRA
 adapter rows (`model.lora.batched`) passes the call its layer's updates, which it adds to each
 product's output as the products' wrappers do; where it cannot (an adapter's rows not one run,
-bfloat16 adapters) the step takes the block's forward, whose products apply them.
+adapters not float32) the step takes the block's forward, whose products apply them.
 `python bench/cpu_parts.py --parts llama-layer` compares the two.
 """
 

@@ -19,9 +19,9 @@ run (the scheduler groups decodes by adapter) are views; scattered ones are gath
 back by index. On the CPU a float32 run of rows takes one compiled call instead
 (`lora_update_`, kernels/cpu/lora_update.cpp: plain loops for a decode step's few rows, where
 PyTorch's products of a few rows cost their dispatch, the same products for more). The updates
-are computed in float32 by default (as PEFT computes them, even over
-a bfloat16 base; `dtype` bfloat16 halves the bytes, a gain on a GPU: on a CPU PyTorch's bfloat16
-products of a few rows are slower) and added in the product's output dtype.
+are computed in float32 by default (as PEFT computes them, even over a bfloat16 base; `dtype`
+bfloat16 halves the bytes, a gain on a GPU: on a CPU PyTorch's bfloat16 products of a few rows
+are slower) and added in the product's output dtype.
 
 A product that applies the activation itself (the CPU wing's `FusedMLP`: GELU inside the first
 feed-forward product) gets a twin without it, sharing its weights, for the steps its adapters
@@ -71,8 +71,8 @@ class SlotWeights:
     # per piece: its columns [c0, c1) of x @ a_t, its output rows [lo, hi), b_t (c1 - c0, hi - lo)
     # (its b times the adapter's scaling)
     pieces: tuple[tuple[int, int, int, int, torch.Tensor], ...]
-    spans: list[int]  # the pieces' c0, c1, lo, hi, one after another (`lora_update_`'s)
-    b_ts: list[torch.Tensor]  # the pieces' b_t
+    spans: tuple[int, ...]  # the pieces' c0, c1, lo, hi, one after another (`lora_update_`'s)
+    b_ts: tuple[torch.Tensor, ...]  # the pieces' b_t
 
 
 Rows = slice | torch.Tensor | None  # a slot's packed rows: all of them (None), a range, or indices
@@ -101,7 +101,8 @@ class LoraBank:
 
     @property
     def active(self) -> bool:
-        """Whether the current step has adapter rows (then no compiled one-call layer runs)."""
+        """Whether the current step has adapter rows (then only a one-call layer that applies
+        the updates itself runs: `one_call_updates`)."""
         return bool(self.groups)
 
     def check(self, adapter: LoraAdapter) -> None:
@@ -171,7 +172,7 @@ class LoraBank:
     def one_call_updates(self, layer: int) -> OneCallUpdates | None:
         """This step's adapter updates of layer `layer` as `llama_decode_layer` takes them
         (lora_meta: per adapter its first row and end, then its pack; lora_weights), or None
-        where the call cannot take them (an adapter's rows not one run, bfloat16 adapters)."""
+        where the call cannot take them (an adapter's rows not one run, adapters not float32)."""
         if self.runs is None:
             return None
         meta: list[int] = []
@@ -186,7 +187,8 @@ class LoraBank:
     def place_wrappers(self, wrapped: bool | None = None) -> None:
         """Put each product's wrapper in its place in the model where a loaded adapter updates
         that product, the product itself elsewhere; `wrapped` True or False: every wrapper, or
-        none (the model as it was: a benchmark's baseline)."""
+        none (the model as it was: a benchmark's baseline, for steps of base rows only: a
+        one-call layer still applies a step's adapter updates)."""
         for layer in self.layers.values():
             parent, child = layer.place
             on = any(w is not None for w in layer.weights) if wrapped is None else wrapped
@@ -195,7 +197,7 @@ class LoraBank:
     def set_step(self, row_slots: list[int], device: torch.device | str = "cpu") -> bool:
         """Name the slot of each packed row of the next forward (BASE_SLOT: none); returns
         whether any row has an adapter. Rows of one slot are grouped once here, for every layer."""
-        self.groups = []
+        self.groups, self.runs = [], []
         by_slot: dict[int, list[int]] = {}
         for row, slot in enumerate(row_slots):
             if slot != BASE_SLOT:
@@ -237,8 +239,8 @@ def _pack(
         b = (p.b.float() * adapter.scaling).to(device, dtype)  # (rows, r)
         packed.append((col, col + r, p.offset, p.offset + p.rows, b.T.contiguous()))
         col += r
-    spans = [n for piece in packed for n in piece[:4]]
-    return SlotWeights(a.T.contiguous(), tuple(packed), spans, [piece[4] for piece in packed])
+    spans = tuple(n for piece in packed for n in piece[:4])
+    return SlotWeights(a.T.contiguous(), tuple(packed), spans, tuple(p[4] for p in packed))
 
 
 class LoraLinear(nn.Module):
@@ -287,7 +289,10 @@ class LoraLinear(nn.Module):
             x2 = x2.to(self.bank.dtype)
         y2 = y.view(-1, y.shape[-1])  # (N, out), the same memory as y
         in_place = y.dtype == self.bank.dtype  # the second products add into y themselves
-        compiled = self.update_ops is not None and in_place and x2.dtype == torch.float32
+        compiled = (
+            self.update_ops is not None and in_place and x2.dtype == torch.float32
+            and y2.stride(-1) == 1
+        )  # fmt: skip
         if compiled and x2.stride(-1) != 1:
             x2 = x2.contiguous()
         for w, rows in work:

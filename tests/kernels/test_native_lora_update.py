@@ -11,8 +11,10 @@ from kernels.cpu import native
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
 
-IN, OUT = 72, 100
-SPANS = [(0, 4, 0, 40), (4, 12, 60, 100)]  # (c0, c1, lo, hi): two pieces of ranks 4 and 8
+IN, OUT, RANK = 72, 200, 16
+# (c0, c1, lo, hi): pieces of ranks 4, 8 and 4, 40 to 100 columns wide (blocks of 4, 2 and 1
+# vectors of columns and a tail, on AVX-512 and AVX2 alike); no piece writes columns 40:60
+SPANS = [(0, 4, 0, 40), (4, 12, 60, 100), (12, 16, 100, 200)]
 
 
 def _op():
@@ -22,12 +24,12 @@ def _op():
 
 
 def _weights(gen: torch.Generator) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
-    a_t = torch.randn(IN, 12, generator=gen)  # (in, R)
+    a_t = torch.randn(IN, RANK, generator=gen)  # (in, R)
     b_ts = [torch.randn(c1 - c0, hi - lo, generator=gen) for c0, c1, lo, hi in SPANS]
     return a_t, [n for span in SPANS for n in span], b_ts
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])  # the loops up to 16, products above
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 17, 40])  # loops up to 16, then ATen
 def test_adds_each_pieces_update_into_its_columns_of_the_run(rows):
     gen = torch.Generator().manual_seed(rows)
     a_t, spans, b_ts = _weights(gen)
@@ -40,6 +42,8 @@ def test_adds_each_pieces_update_into_its_columns_of_the_run(rows):
     _op()(y[2 : 2 + rows], x[2 : 2 + rows], a_t, spans, b_ts)  # a run of rows: views
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(y[:, 40:60].double(), expected[:, 40:60])  # columns no piece has
+    assert torch.equal(y[:2].double(), expected[:2])  # rows outside the run
+    assert torch.equal(y[2 + rows :].double(), expected[2 + rows :])
 
 
 def test_a_row_is_alike_whatever_run_it_is_in():
@@ -59,7 +63,7 @@ def test_refuses_what_does_not_fit():
     a_t, spans, b_ts = _weights(gen)
     x, y = torch.randn(2, IN), torch.zeros(2, OUT)
     with pytest.raises(RuntimeError, match="does not fit its product"):
-        _op()(y[:, :80], x, a_t, spans, b_ts)  # the second piece writes up to column 100
+        _op()(y[:, :150], x, a_t, spans, b_ts)  # the third piece writes up to column 200
     with pytest.raises(RuntimeError, match="a_t"):
         _op()(y, x, a_t.T.contiguous().T, spans, b_ts)  # not contiguous
     with pytest.raises(RuntimeError, match="four numbers per piece"):

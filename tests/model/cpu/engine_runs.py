@@ -1,6 +1,8 @@
 """The Engine run the one-call decode layers' tests compare: greedy tokens and logprobs of a few
 requests of different lengths decoded together."""
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.engine import Engine, EngineConfig
@@ -12,7 +14,7 @@ from model.lora.batched import LoraBank
 
 def decode_together(
     model: GPT, n_seq: int, vocab: int, lora: LoraBank | None = None,
-    adapters: list[LoraAdapter] = (),
+    adapters: Sequence[LoraAdapter] = (),
 ) -> tuple[dict, dict]:  # fmt: skip
     """Greedy tokens and logprobs of `n_seq` requests decoded together, request i 4 + i tokens
     after a prompt of 5 + 3 i random ids below `vocab` (lengths apart: a step of many decodes

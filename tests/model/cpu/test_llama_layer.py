@@ -117,6 +117,9 @@ def test_the_op_refuses_lora_updates_that_do_not_fit():
         (0, 2, 1, 4, 1, 0, 4, 0, 64): "product is 0..3",
         (0, 2, 1, 1, 1, 0, 4, 32, 96): "does not fit its product",
         (0, 2, 1, 1, 2, 0, 4, 0, 64): "ends early",
+        (0, 1, 2, 0, -1, 0, 4, 0, 8, 0, 4): "piece count out of range",
+        (0, 2, -1): "negative LoRA update count",
+        (0, 2, 1, 1, 0): "more tensors than lora_meta names",
     }
     for meta, message in cases.items():
         with pytest.raises(RuntimeError, match=message):
