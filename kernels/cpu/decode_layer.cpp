@@ -3,20 +3,33 @@
 // cache (paged_decode.cpp) and both residual adds. Each piece is the very kernel the Python
 // path calls (ATen's layer_norm and add, the gptserve_cpu operators through the dispatcher), in
 // the same order, so the result is that path's to the bit; what goes is the Python between them
-// (model.cpu.decode_layer, where this is installed, has the measurements).
+// (model.cpu.decode_layer, where this is installed, has the measurements). A step's LoRA adapter
+// updates come with it, added to each product's output by lora::add_update as the products'
+// wrappers add them (c_fc's before its activation, which then runs as ATen's, as theirs does).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
+#include <ATen/ops/relu.h>
 #include <torch/library.h>
 
 #include "layer_calls.h"
+#include "lora_update.h"
 
 #include <array>
 #include <cmath>
 #include <optional>
+#include <vector>
 
 namespace {
+
+// the activation of f32_matmul's code (model/activations.py's KERNEL_CODES) as
+// model.activations.activate runs it: ATen's GELU (tanh) or ReLU
+at::Tensor activate(const at::Tensor& y, int64_t code) {
+  TORCH_CHECK(code == 1 || code == 2, "an activation code is 1 (GELU, tanh) or 2 (ReLU)");
+  return code == 1 ? at::gelu(y, "tanh") : at::relu(y);
+}
 
 using layer_calls::attend;
 using layer_calls::tiled_product;
@@ -25,14 +38,16 @@ using layer_calls::tiled_product;
 // ln_2's; tiles, biases and widths (their outputs): c_attn, attn's c_proj, c_fc (through
 // `activation`), mlp's c_proj (f32_matmul's tiles, float32 biases or none). The pools and step
 // tensors are paged_decode_qkv's, and so is `window` (0: none; else each row's query sees only its
-// last `window` keys). Returns x after the layer, (N, C).
+// last `window` keys). lora_meta and lora_weights: the step's adapter updates
+// (`lora::read_updates`; empty: none). Returns x after the layer, (N, C).
 at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList tiles,
                         const c10::List<std::optional<at::Tensor>>& biases,
                         at::IntArrayRef widths, const at::Tensor& k_pool,
                         const at::Tensor& v_pool, const at::Tensor& write_block,
                         const at::Tensor& write_offset, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t n_head, double eps,
-                        int64_t activation, int64_t window) {
+                        int64_t activation, int64_t window, at::IntArrayRef lora_meta,
+                        at::TensorList lora_weights) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be (N, C) float32 on the CPU");
   TORCH_CHECK(norms.size() == 4 && tiles.size() == 4 && biases.size() == 4 && widths.size() == 4,
@@ -41,15 +56,28 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   TORCH_CHECK(n_head > 0 && n_head * dim == width && widths[0] == 3 * width &&
                   widths[1] == width && widths[3] == width,
               "a GPT-2 layer: C = n_head * the pools' head size, c_attn's 3 C outputs");
+  const std::vector<lora::Update> updates = lora::read_updates(lora_meta, lora_weights, n);
+  // product i of `rows` with its adapters' updates; `act` the kernel's activation code
+  auto apply = [&](int64_t i, const at::Tensor& rows, int64_t act) {
+    if (act == 0 || !lora::updates_product(updates, i)) {
+      at::Tensor y = tiled_product(rows, tiles[i], biases.get(i), widths[i], act);
+      lora::apply(updates, i, rows, y);  // (none where act != 0)
+      return y;
+    }
+    at::Tensor y = tiled_product(rows, tiles[i], biases.get(i), widths[i], 0);
+    lora::apply(updates, i, rows, y);  // before the activation, which is ATen's then
+    return activate(y, act);
+  };
   const std::array<int64_t, 1> shape{width};  // LayerNorm over the last dimension
   at::Tensor h = at::layer_norm(x, shape, norms[0], norms[1], eps);
-  at::Tensor qkv = tiled_product(h, tiles[0], biases.get(0), widths[0], 0);
-  at::Tensor y = attend(qkv, std::nullopt, std::nullopt, k_pool, v_pool, write_block, write_offset, block_tables,
-                        context_lens, n_head, std::pow(static_cast<double>(dim), -0.5), window);
-  at::Tensor out = at::add(x, tiled_product(y.view({n, width}), tiles[1], biases.get(1), width, 0));
+  at::Tensor qkv = apply(0, h, 0);
+  at::Tensor y = attend(qkv, std::nullopt, std::nullopt, k_pool, v_pool, write_block,
+                        write_offset, block_tables, context_lens, n_head,
+                        std::pow(static_cast<double>(dim), -0.5), window);
+  at::Tensor out = at::add(x, apply(1, y.view({n, width}), 0));
   h = at::layer_norm(out, shape, norms[2], norms[3], eps);
-  h = tiled_product(h, tiles[2], biases.get(2), widths[2], activation);
-  return at::add(out, tiled_product(h, tiles[3], biases.get(3), width, 0));
+  h = apply(2, h, activation);
+  return at::add(out, apply(3, h, 0));
 }
 
 }  // namespace
@@ -59,6 +87,6 @@ TORCH_LIBRARY_FRAGMENT(gptserve_cpu, m) {
       "decode_layer(Tensor x, Tensor[] norms, Tensor[] tiles, Tensor?[] biases, int[] widths, "
       "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor write_block, Tensor write_offset, "
       "Tensor block_tables, Tensor context_lens, int n_head, float eps, int activation, "
-      "int window=0) -> Tensor");
+      "int window, int[] lora_meta, Tensor[] lora_weights) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

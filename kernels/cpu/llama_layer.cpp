@@ -17,7 +17,6 @@
 
 #include <cmath>
 #include <optional>
-#include <vector>
 
 namespace {
 
@@ -60,56 +59,12 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
   return tiled_product(x, weight, bias, n, 0);
 }
 
-// one adapter's update of one product: rows [r0, r1) of the step, with its a_t, its pieces
-// (c0, c1, lo, hi each) and their b_t, as lora::add_update takes them
-struct LoraUpdate {
-  int64_t product, r0, r1;
-  at::Tensor a_t;
-  at::IntArrayRef pieces;
-  at::TensorList b_ts;
-};
-
-// `meta` as model.lora.batched.LoraBank.one_call_updates writes it: per adapter run of rows,
-// r0, r1, its update count, then per update its product (0..3), its piece count and per piece
-// c0, c1, lo, hi; `weights` per update its a_t, then its pieces' b_t. The runs are checked
-// against the step's n rows here, the pieces against their product by lora::add_update.
-std::vector<LoraUpdate> read_updates(at::IntArrayRef meta, at::TensorList weights, int64_t n) {
-  std::vector<LoraUpdate> updates;
-  size_t i = 0, t = 0;
-  auto take = [&](int64_t count) {  // the next `count` numbers (count checked >= 0 first)
-    TORCH_CHECK(static_cast<size_t>(count) <= meta.size() - i, "lora_meta ends early");
-    i += count;
-    return meta.slice(i - count, count);
-  };
-  auto take_weights = [&](int64_t count) {
-    TORCH_CHECK(static_cast<size_t>(count) <= weights.size() - t, "lora_weights ends early");
-    t += count;
-    return weights.slice(t - count, count);
-  };
-  while (i < meta.size()) {
-    const at::IntArrayRef run = take(3);  // r0, r1, updates
-    TORCH_CHECK(0 <= run[0] && run[0] < run[1] && run[1] <= n,
-                "a LoRA run of rows outside the step's rows");
-    TORCH_CHECK(run[2] >= 0, "a negative LoRA update count");
-    for (int64_t u = 0; u < run[2]; ++u) {
-      const at::IntArrayRef head = take(2);  // product, pieces
-      TORCH_CHECK(0 <= head[0] && head[0] < 4, "a LoRA product is 0..3");
-      TORCH_CHECK(head[1] >= 0 && head[1] <= (1 << 20), "a LoRA piece count out of range");
-      const at::Tensor& a_t = take_weights(1)[0];
-      const at::IntArrayRef pieces = take(4 * head[1]);
-      updates.push_back({head[0], run[0], run[1], a_t, pieces, take_weights(head[1])});
-    }
-  }
-  TORCH_CHECK(t == weights.size(), "lora_weights has more tensors than lora_meta names");
-  return updates;
-}
-
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's and ln_2's weights
 // (float32). kinds, weights, tables, biases, widths (outputs) and copies: c_attn (q, k, v),
 // attn's c_proj, c_fc (gate, then up), mlp's c_proj, each as `product` takes it. cos, sin (N, D)
 // float32: each token's rotation. The pools, step tensors and `window` (0: none; else each row's
 // query sees only its last `window` keys) are paged_decode_qkv's. lora_meta and lora_weights:
-// the step's adapter updates (`read_updates`; empty: none), each added to its product's output
+// the step's adapter updates (`lora::read_updates`; empty: none), each added to its product's output
 // before anything reads it. Returns x after the layer, (N, C) float32.
 at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double eps,
                               at::IntArrayRef kinds, at::TensorList weights,
@@ -133,16 +88,11 @@ at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double 
                   widths[2] % 2 == 0 && widths[3] == width,
               "a Llama layer: c_attn's (H + 2 H_kv) D outputs, c_fc's gate and up");
   const double scale = std::pow(static_cast<double>(dim), -0.5);
-  const std::vector<LoraUpdate> updates = read_updates(lora_meta, lora_weights, n);
+  const std::vector<lora::Update> updates = lora::read_updates(lora_meta, lora_weights, n);
   auto apply = [&](int64_t i, const at::Tensor& rows) {
     at::Tensor y =
         product(rows, kinds[i], weights[i], tables[i], biases.get(i), widths[i], copies[i]);
-    for (const LoraUpdate& u : updates) {
-      if (u.product == i) {
-        lora::add_update(rows.narrow(0, u.r0, u.r1 - u.r0), y.narrow(0, u.r0, u.r1 - u.r0),
-                         u.a_t, u.pieces, u.b_ts);
-      }
-    }
+    lora::apply(updates, i, rows, y);
     return y;
   };
   at::Tensor qkv = apply(0, rms_norm(x, norms[0], eps));  // (N, (H + 2 H_kv) D)

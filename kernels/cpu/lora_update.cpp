@@ -135,6 +135,54 @@ void add_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a_t,
   }
 }
 
+std::vector<Update> read_updates(at::IntArrayRef meta, at::TensorList weights, int64_t n) {
+  std::vector<Update> updates;
+  size_t i = 0, t = 0;
+  auto take = [&](int64_t count) {  // the next `count` numbers (count checked >= 0 first)
+    TORCH_CHECK(static_cast<size_t>(count) <= meta.size() - i, "lora_meta ends early");
+    i += count;
+    return meta.slice(i - count, count);
+  };
+  auto take_weights = [&](int64_t count) {
+    TORCH_CHECK(static_cast<size_t>(count) <= weights.size() - t, "lora_weights ends early");
+    t += count;
+    return weights.slice(t - count, count);
+  };
+  while (i < meta.size()) {
+    const at::IntArrayRef run = take(3);  // r0, r1, updates
+    TORCH_CHECK(0 <= run[0] && run[0] < run[1] && run[1] <= n,
+                "a LoRA run of rows outside the step's rows");
+    TORCH_CHECK(run[2] >= 0, "a negative LoRA update count");
+    for (int64_t u = 0; u < run[2]; ++u) {
+      const at::IntArrayRef head = take(2);  // product, pieces
+      TORCH_CHECK(0 <= head[0] && head[0] < 4, "a LoRA product is 0..3");
+      TORCH_CHECK(head[1] >= 0 && head[1] <= (1 << 20), "a LoRA piece count out of range");
+      const at::Tensor& a_t = take_weights(1)[0];
+      const at::IntArrayRef pieces = take(4 * head[1]);
+      updates.push_back({head[0], run[0], run[1], a_t, pieces, take_weights(head[1])});
+    }
+  }
+  TORCH_CHECK(t == weights.size(), "lora_weights has more tensors than lora_meta names");
+  return updates;
+}
+
+void apply(const std::vector<Update>& updates, int64_t product, const at::Tensor& rows,
+           const at::Tensor& y) {
+  for (const Update& u : updates) {
+    if (u.product == product) {
+      add_update(rows.narrow(0, u.r0, u.r1 - u.r0), y.narrow(0, u.r0, u.r1 - u.r0), u.a_t,
+                 u.pieces, u.b_ts);
+    }
+  }
+}
+
+bool updates_product(const std::vector<Update>& updates, int64_t product) {
+  for (const Update& u : updates) {
+    if (u.product == product) return true;
+  }
+  return false;
+}
+
 }  // namespace lora
 
 namespace {

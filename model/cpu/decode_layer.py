@@ -7,7 +7,8 @@ of GPT-2 124M is bound by reading its weights, and llama.cpp's is that reading a
 same kernels in the same order from C++ (ATen's LayerNorm and add, `f32_matmul` on the tiles,
 `paged_decode_qkv`), so a layer's output is the Python path's to the bit; any step it does not
 suit (more than `LAYER_FEW_ROWS` rows, a prefill, a cache without the one-call decode) takes the
-block's own forward. `python bench/cpu_parts.py --parts layer` compares the two: on the
+block's own forward. A step with LoRA adapter rows passes the call its layer's updates
+(`OneCallBlock.lora_updates`), as `model.cpu.llama_layer` does. `python bench/cpu_parts.py --parts layer` compares the two: on the
 development box 1.02-1.04x for a single stream's step (about 0.6 ms of 16.5), even for 4.
 """
 
@@ -45,11 +46,17 @@ class FusedDecodeBlock(OneCallBlock):
     def forward_cached(
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan, rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
-        if x.shape[0] <= LAYER_FEW_ROWS and rope is None and cache.has_one_call_step(plan):
+        updates = self.lora_updates(layer)
+        if (
+            updates is not None
+            and x.shape[0] <= LAYER_FEW_ROWS
+            and rope is None
+            and cache.has_one_call_step(plan, applies_lora=self.lora_bank is not None)
+        ):
             step = cache.one_call_step(layer, plan)
             return self.op(x, self.norms, self.tiles, self.biases, self.widths, *step,
                            self.n_head, self.eps, self.activation,
-                           cache.window(layer) or 0)  # fmt: skip
+                           cache.window(layer) or 0, *updates)  # fmt: skip
         return super().forward_cached(x, cache, layer, plan, rope)
 
 

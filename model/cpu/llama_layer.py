@@ -29,7 +29,6 @@ from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
 from model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
 from model.gpt import Block, Rope
 from model.int4_linear import Int4Linear
-from model.lora.batched import LoraBank
 
 __all__ = ["FusedLlamaBlock", "install_llama_layers"]
 
@@ -80,8 +79,6 @@ class FusedLlamaBlock(OneCallBlock):
     """`block` (the same children and forward) whose cached forward of decoding rows is one
     `llama_decode_layer` call where the step suits it."""
 
-    lora_bank: LoraBank | None = None  # the model's adapter slots (`install_lora` sets them)
-
     def __init__(self, block: Block, op: Any) -> None:
         super().__init__(block)
         attn, mlp = block.attn, block.mlp
@@ -99,15 +96,14 @@ class FusedLlamaBlock(OneCallBlock):
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan, rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
         n = x.shape[0]
-        bank = self.lora_bank
-        updates = ([], []) if bank is None or not bank.active else bank.one_call_updates(layer)
+        updates = self.lora_updates(layer)
         if (
             updates is not None
             and n <= self.max_rows
             and rope is not None
             and x.dtype == torch.float32
             and rope[0].dtype == torch.float32
-            and cache.has_one_call_step(plan, applies_lora=bank is not None)
+            and cache.has_one_call_step(plan, applies_lora=self.lora_bank is not None)
             and cache.has_qkv_path(plan, torch.float32, torch.float32)
         ):
             step = cache.one_call_step(layer, plan)

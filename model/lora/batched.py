@@ -29,10 +29,10 @@ update it: the update must come before the activation.
 
 Compiled paths that run a whole layer without calling its products' forwards would skip the
 update: a step with adapter rows must not take them (`LoraBank.active`; the engine's runner
-turns them off with `KVPools.module_forwards_only`), except the Llama layer's one call
-(`model.cpu.llama_layer`), which takes the step's updates of its layer as packed arguments
-(`LoraBank.one_call_updates`) and adds them with the same compiled function on the same views,
-where each adapter's rows are one run and the adapters are float32.
+turns them off with `KVPools.module_forwards_only`), except the one-call layers
+(`model.cpu.llama_layer`, `model.cpu.decode_layer`), which take the step's updates of their
+layer as packed arguments (`LoraBank.one_call_updates`) and add them with the same compiled
+function on the same views, where each adapter's rows are one run and the adapters are float32.
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def install_lora(
     for wrapper in layers.values():
         wrapper.bank = bank
     for block in model.transformer.h:
-        if hasattr(block, "lora_bank"):  # a one-call layer that applies the updates itself
+        if hasattr(block, "lora_bank"):  # a one-call layer, which applies the updates itself
             block.lora_bank = bank
     model.lora_slots = bank
     return bank

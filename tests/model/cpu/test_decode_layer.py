@@ -1,6 +1,6 @@
 """A GPT-2 layer's decode step as one compiled call (`model.cpu.decode_layer`): installed where a
-layer fits, the Engine's tokens and logprobs the Python path's to the bit, and every step it does
-not suit left to that path."""
+layer fits, the Engine's tokens and logprobs the Python path's to the bit, with and without LoRA
+adapter rows in the step, and every step it does not suit left to that path."""
 
 import pytest
 import torch
@@ -12,6 +12,8 @@ from model.cpu import optimize_for_cpu
 from model.cpu.decode_layer import FusedDecodeBlock
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
 from model.gpt import Block
+from model.lora.batched import install_lora
+from tests.lora_testing import random_adapter
 from tests.model.cpu.engine_runs import decode_together
 
 OPS = native.native_ops() if native.enabled() else None
@@ -60,6 +62,39 @@ def test_windowed_layers_decode_the_python_paths_bits(monkeypatch, window):
     assert fused[1] != unwindowed[1]  # logprobs past the window differ
 
 
+def _products(meta: list[int]) -> set[int]:
+    """The products a call's lora_meta updates (`LoraBank.one_call_updates`' layout)."""
+    out, i = set(), 0
+    while i < len(meta):
+        count, i = meta[i + 2], i + 3  # a run: r0, r1, its updates
+        for _ in range(count):
+            out.add(meta[i])
+            i += 2 + 4 * meta[i + 1]  # product, pieces, then c0, c1, lo, hi each
+    return out
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_steps_with_lora_rows_decode_the_python_paths_bits(monkeypatch, activation):
+    """Adapters on every product, c_fc's update before its activation: the call's tokens and
+    logprobs are those of the products' wrappers."""
+    model = _model(activation)
+    bank = install_lora(model, max_loras=3, max_rank=8)
+    assert all(b.lora_bank is bank for b in model.transformer.h)
+    adapters = [random_adapter(model.config, name, seed=i, std=0.3) for i, name in
+                enumerate("abc")]  # fmt: skip
+    updates = []  # per call: its lora_meta
+    op = model.transformer.h[0].op
+    for block in model.transformer.h:
+        block.op = lambda *args, _op=op: updates.append(args[-2]) or _op(*args)
+    n_seq = 6  # requests of a, b, c, the base, a, b (fewer as requests end)
+    fused = decode_together(model, n_seq, 50257, bank, adapters)
+    assert {0, 1, 2, 3} in [_products(meta) for meta in updates]  # c_fc's updates went in
+    monkeypatch.setattr(FusedDecodeBlock, "forward_cached", Block.forward_cached)
+    assert decode_together(model, n_seq, 50257, bank, adapters) == fused  # exactly
+    base = decode_together(model, n_seq, 50257, bank, [])
+    assert all(fused[1][str(i)] != base[1][str(i)] for i in (0, 1, 2, 4))
+
+
 def test_layers_that_do_not_fit_keep_their_block():
     model = _model(dtype=torch.bfloat16)  # no float32 tiles
     assert all(type(b) is Block for b in model.transformer.h)
@@ -78,7 +113,7 @@ def test_the_op_refuses_a_layer_of_another_shape():
             torch.ones(1, dtype=torch.int32))  # fmt: skip
     with pytest.raises(RuntimeError, match="a GPT-2 layer"):  # heads of 8, not 64 / 4
         block.op(x, block.norms, block.tiles, block.biases, block.widths, *step, block.n_head,
-                 block.eps, block.activation)  # fmt: skip
+                 block.eps, block.activation, 0, [], [])  # fmt: skip
     with pytest.raises(RuntimeError, match="four each"):
         block.op(x, block.norms[:2], block.tiles, block.biases, block.widths, *step,
-                 block.n_head, block.eps, block.activation)  # fmt: skip
+                 block.n_head, block.eps, block.activation, 0, [], [])  # fmt: skip
