@@ -20,7 +20,7 @@ from model.config import ModelConfig
 from model.lora.adapter import LoraAdapter
 from model.lora.batched import LoraBank, LoraRankError, LoraShapeError
 from model.lora.peft_format import AdapterError as PeftFormatError
-from model.lora.peft_format import read_peft
+from model.lora.peft_format import BaseMismatchError, read_peft
 
 # the kinds of refusal (`AdapterError.code`)
 NOT_FOUND = "lora_not_found"
@@ -46,7 +46,7 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str) -> LoraAdapte
         adapter = read_peft(directory, config)
     except PeftFormatError as exc:
         text = str(exc).splitlines()[0] if str(exc) else "the adapter cannot be read"
-        mismatch = "another base model" in text or "no module of" in text
+        mismatch = isinstance(exc, BaseMismatchError)
         raise AdapterError(text, "lora_path", BASE_MISMATCH if mismatch else BAD_PATH) from None
     except (OSError, ValueError) as exc:
         raise AdapterError(f"cannot read the adapter at {str(path)!r}: {exc}", "lora_path",

@@ -62,6 +62,10 @@ class AdapterError(ValueError):
     """An adapter directory that cannot be read, or that our model cannot apply."""
 
 
+class BaseMismatchError(AdapterError):
+    """An adapter made for another base model: a module, layer or shape this one lacks."""
+
+
 def read_peft(directory: str | Path, config: ModelConfig) -> LoraAdapter:
     """The PEFT LoRA adapter in `directory`, for a base model of `config`, as our pieces."""
     directory = Path(directory)
@@ -81,9 +85,7 @@ def read_peft(directory: str | Path, config: ModelConfig) -> LoraAdapter:
         a, b = ab["A"], ab["B"]
         r = _pattern_value(rank_pattern, name, rank)
         s = hf_module_slice(config, i, module)
-        wrong = _check_shapes(name, a, b, r, s)
-        if wrong:
-            raise AdapterError(f"{directory}: {wrong}")
+        _check_shapes(name, a, b, r, s, directory)
         own = _scaling(_pattern_value(alpha_pattern, name, alpha), r, rslora)
         if own != scaling:  # one scaling per adapter: this module's ratio goes into its B
             b = (b.float() * (own / scaling)).to(b.dtype)
@@ -223,7 +225,7 @@ def _check_targets(targets: Any, config: ModelConfig) -> None:
                 f"attention and MLP projections can be adapted"
             )
         if last not in known:
-            raise AdapterError(
+            raise BaseMismatchError(
                 f"{CONFIG_FILE}: target {target!r} is no module of a {family} model (its "
                 f"projections: {', '.join(sorted(known))})"
             )
@@ -262,10 +264,10 @@ def _group_modules(
             raise AdapterError(f"{WEIGHTS_FILE}: {_what_is(name)}")
         if m[1] != blocks or m[3] not in hf_modules(config):
             family = "Llama-family" if is_llama_family(config) else "GPT-2-shaped"
-            raise AdapterError(f"{WEIGHTS_FILE}: {name} is no module of a {family} model")
+            raise BaseMismatchError(f"{WEIGHTS_FILE}: {name} is no module of a {family} model")
         i = int(m[2])
         if i >= config.n_layer:
-            raise AdapterError(
+            raise BaseMismatchError(
                 f"{WEIGHTS_FILE}: {name} adapts layer {i}; the model has {config.n_layer} layers"
             )
         out.setdefault((i, m[3]), {})[m[4]] = tensor
@@ -285,18 +287,22 @@ def _what_is(name: str) -> str:
     return f"{name} is not a LoRA matrix we can apply (modules_to_save or another method?)"
 
 
-def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor, rank: int, s: Slice) -> str | None:
-    """What is wrong with the shapes of one module's A and B, or None."""
+def _check_shapes(
+    name: str, a: torch.Tensor, b: torch.Tensor, rank: int, s: Slice, directory: Path
+) -> None:
+    """AdapterError for one module's A and B of the wrong kind or rank, BaseMismatchError for
+    shapes another base model has."""
     if a.dim() != 2 or b.dim() != 2 or not a.is_floating_point() or not b.is_floating_point():
-        return f"{name}: lora_A and lora_B must be float matrices"
+        raise AdapterError(f"{directory}: {name}: lora_A and lora_B must be float matrices")
     if a.shape[0] != rank or b.shape[1] != rank:
-        return f"{name}: rank {a.shape[0]} in the weights, {rank} in {CONFIG_FILE}"
-    if a.shape[1] != s.in_features or b.shape[0] != s.rows:
-        return (
-            f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base "
-            f"model's ({s.rows} x {s.in_features}) module (another base model?)"
+        raise AdapterError(
+            f"{directory}: {name}: rank {a.shape[0]} in the weights, {rank} in {CONFIG_FILE}"
         )
-    return None
+    if a.shape[1] != s.in_features or b.shape[0] != s.rows:
+        raise BaseMismatchError(
+            f"{directory}: {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not "
+            f"fit the base model's ({s.rows} x {s.in_features}) module (another base model?)"
+        )
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -17,7 +17,7 @@ from model import load_checkpoint
 from model.lora.adapter import LoraAdapter, LoraPiece
 from model.lora.merge import merge_into
 from model.lora.modules import target_slices
-from model.lora.peft_format import AdapterError, read_peft, write_peft
+from model.lora.peft_format import AdapterError, BaseMismatchError, read_peft, write_peft
 from tests.model.lora.hf_models import make_hf, randomize_lora_b, tokens
 
 peft = pytest.importorskip("peft")
@@ -176,19 +176,20 @@ def test_what_we_cannot_apply_is_refused_in_one_line(case: str, tmp_path: Path) 
 def test_an_adapter_for_another_architecture_or_size_is_refused(tmp_path: Path) -> None:
     base_dir, adapter_dir, _ = make_peft("llama", dict(r=2, target_modules=["q_proj"]), tmp_path)
     make_hf("gpt2", tmp_path / "gpt2")
-    with pytest.raises(AdapterError, match="q_proj.* no module of a GPT-2-shaped model"):
+    with pytest.raises(BaseMismatchError, match="q_proj.* no module of a GPT-2-shaped model"):
         read_peft(adapter_dir, load_checkpoint(tmp_path / "gpt2").config)
     config = load_checkpoint(base_dir).config
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     cfg["target_modules"] = ["fc1"]
     (adapter_dir / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AdapterError, match="'fc1' is no module"):
+    with pytest.raises(BaseMismatchError, match="'fc1' is no module"):
         read_peft(adapter_dir, config)
     from dataclasses import replace
 
-    with pytest.raises(AdapterError, match="do not fit"):
+    with pytest.raises(BaseMismatchError, match="do not fit"):
         cfg["target_modules"] = ["q_proj"]
         (adapter_dir / "adapter_config.json").write_text(json.dumps(cfg))
         read_peft(adapter_dir, replace(config, n_embd=64, head_size=None))
-    with pytest.raises(AdapterError, match="no adapter_config.json"):
+    with pytest.raises(AdapterError, match="no adapter_config.json") as info:
         read_peft(tmp_path, config)
+    assert not isinstance(info.value, BaseMismatchError)  # not a mismatch: no adapter at all
