@@ -7,8 +7,8 @@ new tokens into one tensor and runs the model's one forward, asking only for the
 needs (and the final hidden states of an embedding's rows). What the logits mean (draw, verify,
 score) is the engine's business. With LoRA slots (`model.lora.batched`), each packed row is
 named its sequence's adapter slot first; a step with adapter rows runs every product's own
-forward (`KVPools.module_forwards_only`), or the one-call Llama layer that applies the step's
-updates itself (`model.cpu.llama_layer`).
+forward (`KVPools.module_forwards_only`), or the one-call layers that apply the step's
+updates themselves (`model.cpu.llama_layer`, `model.cpu.decode_layer`).
 """
 
 from __future__ import annotations
