@@ -63,7 +63,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """Pydantic's first complaint as a 400 naming the top-level body field."""
+    """Pydantic's first complaint as a 400 naming the top-level body field (or the query or
+    path parameter)."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
@@ -71,7 +72,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ())]
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('msg')}")
-    if loc[:1] == ["body"]:
+    if loc[:1] in (["query"], ["path"]) and len(loc) > 1:
+        loc = loc[1:]
+    elif loc[:1] == ["body"]:
         loc = loc[1:]
     if not loc:
         return bad_request(f"the body must be a JSON object: {first.get('msg')}")

@@ -227,25 +227,40 @@ ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fc
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as the input item a later request continues from (its id kept)."""
+    """An output item as the input item a later request continues from (its id and status
+    kept)."""
+    kept = {"id": item["id"], "status": item["status"]}
     if item["type"] == "message":
         text = "".join(part["text"] for part in item["content"])
-        return {"type": "message", "role": "assistant", "content": text, "id": item["id"]}
+        return {"type": "message", "role": "assistant", "content": text, **kept}
     return {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-            "arguments": item["arguments"], "id": item["id"]}  # fmt: skip
+            "arguments": item["arguments"], **kept}  # fmt: skip
 
 
 def _listed(item: dict[str, Any]) -> dict[str, Any]:
     """A stored (normalised) input item as `input_items` lists it."""
+    status = item.get("status", "completed")  # an earlier answer's own; a client's: completed
     if item["type"] != "message":
-        return {**item, "status": "completed"}
+        return {**item, "status": status}
     assistant = item["role"] == "assistant"
     part: dict[str, Any] = {"type": "output_text" if assistant else "input_text",
                             "text": item["content"]}  # fmt: skip
     if assistant:
         part["annotations"] = []
-    return {"type": "message", "id": item["id"], "role": item["role"], "status": "completed",
+    return {"type": "message", "id": item["id"], "role": item["role"], "status": status,
             "content": [part]}  # fmt: skip
+
+
+def message_logprobs(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The entries of the tokens that make a message's `text` out of all the answer's
+    `logprobs` (with tool calls, those before the first call: the text is what comes before)."""
+    kept, length = [], 0
+    for entry in logprobs:
+        length += len(entry["token"])
+        if length > len(text) and kept:
+            break
+        kept.append(entry)
+    return kept if text else []
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -330,6 +345,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         accepted.count_tool_calls(calls)
     lps = accepted.logprobs(choice)  # every generated token's (None: not asked for)
     logprobs = lps["content"] if lps else None
+    if logprobs and calls:  # the message's tokens only, not the calls'
+        logprobs = message_logprobs(logprobs, text)
     output = [_message(text, "completed", logprobs)] if text or not calls else []
     output += [_call(call, "completed") for call in calls]
     output[-1]["status"] = status  # what was cut short is the last item (as a stream ends it)
@@ -406,6 +423,7 @@ class _Events:
         self.open: dict[str, Any] | None = None  # the item being written
         self.logprobs: list[dict[str, Any]] = []  # the open message's tokens' logprobs
         self.pending: list[dict[str, Any]] = []  # tokens' logprobs not sent with a delta yet
+        self.calling = False  # a call has begun: later tokens' logprobs are not the message's
 
     def event(self, kind: str, **fields: Any) -> bytes:  # noqa: ANN401
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -499,10 +517,14 @@ async def _stream(shape: Shape, request: Request) -> AsyncIterator[bytes]:
                 delta = piece["delta"]
                 finish_reason = piece["finish_reason"] or finish_reason
                 logprobs = (piece.get("logprobs") or {}).get("content")
+                if delta.get("tool_calls"):  # from the first call on, no token is the message's
+                    events.calling, events.pending = True, []
+                if events.calling:
+                    logprobs = None
                 if delta.get("content"):
                     for chunk in events.text(delta["content"], logprobs):
                         yield chunk
-                elif logprobs:  # tokens whose text is not out yet (or went into a call)
+                elif logprobs:  # tokens whose text is not out yet
                     events.pending += logprobs
                 for call in delta.get("tool_calls", []):
                     for chunk in events.call(call):

@@ -176,6 +176,7 @@ def to_chat(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatForm:
     if not items and not earlier:
         raise bad_request("input must not be empty", "input")
     conversation = earlier + items
+    check_unique_ids(conversation)
     messages = chat_messages(conversation)
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
@@ -248,20 +249,22 @@ def _read_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "input")
         return _with_id(item, {"type": "message", "role": role,
-                               "content": _text(item.get("content"), f"{where}.content")})  # fmt: skip
+                               "content": _text(item.get("content"), f"{where}.content")},
+                        where)  # fmt: skip
     if kind == "function_call":
         out = {"type": "function_call"}
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
                 raise bad_request(f"{where}.{key} must be a non-empty string", "input")
             out[key] = item[key]
-        return _with_id(item, out)
+        return _with_id(item, out, where)
     if kind == "function_call_output":
         call_id = item.get("call_id")
         if not isinstance(call_id, str) or not call_id:
             raise bad_request(f"{where}.call_id must be a non-empty string", "input")
         return _with_id(item, {"type": "function_call_output", "call_id": call_id,
-                               "output": _text(item.get("output"), f"{where}.output")})  # fmt: skip
+                               "output": _text(item.get("output"), f"{where}.output")},
+                        where)  # fmt: skip
     if kind is None:
         raise bad_request(f"{where}: an item needs a type (or a role: a message)", "input")
     raise bad_request(
@@ -271,11 +274,29 @@ def _read_item(item: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
-def _with_id(item: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+def _with_id(item: dict[str, Any], out: dict[str, Any], where: str) -> dict[str, Any]:
     """`out` with the `id` the client gave the item (an output item sent back keeps its id)."""
-    if isinstance(item.get("id"), str) and item["id"]:
-        out["id"] = item["id"]
+    given = item.get("id")
+    if given is not None:
+        if not isinstance(given, str) or not given:
+            raise bad_request(f"{where}.id must be a non-empty string", "input")
+        out["id"] = given
     return out
+
+
+def check_unique_ids(items: list[dict[str, Any]]) -> None:
+    """A 400 for an item id that comes twice in a conversation (the same item sent again, or
+    sent back while `previous_response_id` already holds it)."""
+    seen: set[str] = set()
+    for item in items:
+        if "id" in item:
+            if item["id"] in seen:
+                raise bad_request(
+                    f"input: duplicate item id {item['id']!r} (an item comes once in a "
+                    "conversation: do not send back the items previous_response_id holds)",
+                    "input",
+                )
+            seen.add(item["id"])
 
 
 def _text(content: object, where: str) -> str:

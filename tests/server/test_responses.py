@@ -355,7 +355,8 @@ def test_input_items_lists_what_a_stored_response_answered(plain: LiveServer) ->
     ]  # fmt: skip
     assert data[1].id == first.output[0].id and data[1].content[0].type == "output_text"
     assert data[2].id == listed.data[1].id  # an item keeps its id in the responses after it
-    assert len({i.id for i in data}) == 4 and all(i.status == "completed" for i in data)
+    assert len({i.id for i in data}) == 4
+    assert [i.status for i in data] == ["completed", "incomplete", "completed", "completed"]
     assert page.first_id == data[0].id and page.last_id == data[-1].id and not page.has_more
     # pages of two, after a cursor
     url = f"{plain.url}/v1/responses/{second.id}/input_items"
@@ -365,7 +366,9 @@ def test_input_items_lists_what_a_stored_response_answered(plain: LiveServer) ->
     r = httpx.get(url, params={"limit": 2, "after": r["last_id"]}, headers=headers,
                   timeout=10).json()  # fmt: skip
     assert [i["id"] for i in r["data"]] == [i.id for i in data[2:]] and not r["has_more"]
-    for params, param in (({"limit": 0}, "limit"), ({"after": "msg_nope"}, "after")):
+    bad = (({"limit": 0}, "limit"), ({"after": "msg_nope"}, "after"), ({"order": "up"}, "order"),
+           ({"limit": "many"}, "limit"))  # fmt: skip
+    for params, param in bad:
         r = httpx.get(url, params=params, headers=headers, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.NotFoundError):
@@ -387,6 +390,53 @@ def test_input_items_of_calls_and_their_outputs(plain: LiveServer) -> None:
     assert data[1].id == "fc_given" and data[1].name == "get_time" and data[1].arguments == "{}"
     assert data[2].call_id == "call_1" and data[2].output == "noon"
     assert data[2].id.startswith("fco_")
+
+
+def test_sending_back_what_previous_response_id_holds_is_a_400(plain: LiveServer) -> None:
+    client = client_of(plain)
+    first = client.responses.create(model=name(plain), input="One", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=name(plain), previous_response_id=first.id,
+                                input=[*first.output, {"role": "user", "content": "Two"}])  # fmt: skip
+    err = error_of(exc)
+    assert err["param"] == "input" and first.output[0].id in err["message"]
+
+
+def _entry(token: str) -> dict:
+    return {"token": token, "logprob": -1.0, "bytes": list(token.encode()), "top_logprobs": []}
+
+
+TOKENS = [_entry(t) for t in ("Let", " me", " check", "<tool", "_call>", "{}")]
+
+
+def test_a_messages_logprobs_are_its_own_tokens_not_the_calls(
+    chatml: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.responses import api
+
+    assert api.message_logprobs(TOKENS, "Let me check") == TOKENS[:3]  # the whole answer's
+    assert api.message_logprobs(TOKENS, "") == []
+
+    async def text_then_call(accepted: Any) -> Any:  # noqa: ANN401
+        call = {"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "get_time", "arguments": ""}}  # fmt: skip
+        yield {"delta": {"content": "Let me"}, "logprobs": {"content": TOKENS[:2]},
+               "finish_reason": None}  # fmt: skip
+        yield {"delta": {"content": " check"}, "logprobs": {"content": TOKENS[2:3]},
+               "finish_reason": None}  # fmt: skip
+        # "<tool_call>" held back by the parser, then it opens a call
+        yield {"delta": {}, "logprobs": {"content": TOKENS[3:5]}, "finish_reason": None}
+        yield {"delta": {"tool_calls": [call]}, "logprobs": {"content": TOKENS[5:]},
+               "finish_reason": None}  # fmt: skip
+        yield {"delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+
+    monkeypatch.setattr(api, "stream_pieces", text_then_call)
+    events, final = streamed(chatml, input="Hi", include=["message.output_text.logprobs"],
+                             tools=[TIME])  # fmt: skip
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == ["Let", " me", " check"]
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == ["Let", " me", " check"]
 
 
 def error_of(exc: pytest.ExceptionInfo) -> dict:
@@ -463,6 +513,9 @@ BAD = [
     ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     ({"top_logprobs": -1}, "top_logprobs", "top_logprobs"),
     ({"truncation": "auto"}, "truncation", "truncation"),
+    ({"input": [{"role": "user", "content": "a", "id": "m1"},
+                {"role": "user", "content": "b", "id": "m1"}]}, "input", "duplicate item id 'm1'"),
+    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input", "input[0].id"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "16"),
     ({"metadata": {"k": 3}}, "metadata", "metadata"),
     ({"previous_response_id": 5}, "previous_response_id", "previous_response_id"),
