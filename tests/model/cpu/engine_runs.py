@@ -1,5 +1,5 @@
 """The Engine run the one-call decode layers' tests compare: greedy tokens and logprobs of a few
-requests of different lengths decoded together."""
+requests of different lengths decoded together, with or without LoRA adapters."""
 
 from collections.abc import Sequence
 
@@ -9,7 +9,8 @@ from engine.engine import Engine, EngineConfig
 from engine.sampler import SamplingParams
 from model import GPT, get_tokenizer
 from model.lora.adapter import LoraAdapter
-from model.lora.batched import LoraBank
+from model.lora.batched import LoraBank, install_lora
+from tests.lora_testing import random_adapter
 
 
 def decode_together(
@@ -38,3 +39,20 @@ def decode_together(
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
             logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs)
     return tokens, logprobs
+
+
+def with_adapters(
+    model: GPT, lora_dtype: torch.dtype = torch.float32
+) -> tuple[LoraBank, list[LoraAdapter], list[list[int]]]:
+    """New LoRA slots on `model` (optimized: its layers one-call ones) and 3 random adapters
+    "a", "b", "c" for them, each layer's call recording the lora_meta it is given; returns the
+    slots, the adapters and the record."""
+    bank = install_lora(model, max_loras=3, max_rank=8, dtype=lora_dtype)
+    assert all(b.lora_bank is bank for b in model.transformer.h)
+    adapters = [random_adapter(model.config, name, seed=i, std=0.3) for i, name in
+                enumerate("abc")]  # fmt: skip
+    metas: list[list[int]] = []
+    op = model.transformer.h[0].op
+    for block in model.transformer.h:
+        block.op = lambda *args, _op=op: metas.append(args[-2]) or _op(*args)
+    return bank, adapters, metas

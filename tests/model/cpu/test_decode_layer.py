@@ -12,9 +12,7 @@ from model.cpu import optimize_for_cpu
 from model.cpu.decode_layer import FusedDecodeBlock
 from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
 from model.gpt import Block
-from model.lora.batched import install_lora
-from tests.lora_testing import random_adapter
-from tests.model.cpu.engine_runs import decode_together
+from tests.model.cpu.engine_runs import decode_together, with_adapters
 
 OPS = native.native_ops() if native.enabled() else None
 pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled float32 tiles")
@@ -78,14 +76,7 @@ def test_steps_with_lora_rows_decode_the_python_paths_bits(monkeypatch, activati
     """Adapters on every product, c_fc's update before its activation: the call's tokens and
     logprobs are those of the products' wrappers."""
     model = _model(activation)
-    bank = install_lora(model, max_loras=3, max_rank=8)
-    assert all(b.lora_bank is bank for b in model.transformer.h)
-    adapters = [random_adapter(model.config, name, seed=i, std=0.3) for i, name in
-                enumerate("abc")]  # fmt: skip
-    updates = []  # per call: its lora_meta
-    op = model.transformer.h[0].op
-    for block in model.transformer.h:
-        block.op = lambda *args, _op=op: updates.append(args[-2]) or _op(*args)
+    bank, adapters, updates = with_adapters(model)  # updates: each call's lora_meta
     n_seq = 6  # requests of a, b, c, the base, a, b (fewer as requests end)
     fused = decode_together(model, n_seq, 50257, bank, adapters)
     assert {0, 1, 2, 3} in [_products(meta) for meta in updates]  # c_fc's updates went in

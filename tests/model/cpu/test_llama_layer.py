@@ -15,9 +15,7 @@ from model.cpu.llama_layer import FusedLlamaBlock
 from model.gguf.blocks import Int4Groups
 from model.gpt import Block
 from model.int4_linear import Int4Linear
-from model.lora.batched import install_lora
-from tests.lora_testing import random_adapter
-from tests.model.cpu.engine_runs import decode_together
+from tests.model.cpu.engine_runs import decode_together, with_adapters
 
 OPS = native.native_ops() if native.enabled() else None
 pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled CPU kernels")
@@ -80,14 +78,7 @@ def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, w
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
 def test_steps_with_lora_rows_decode_the_python_paths_bits(monkeypatch, int4, lora_dtype):
     model = _llama(int4)
-    bank = install_lora(model, max_loras=3, max_rank=8, dtype=lora_dtype)
-    assert all(b.lora_bank is bank for b in model.transformer.h)
-    adapters = [random_adapter(model.config, name, seed=i, std=0.3) for i, name in
-                enumerate("abc")]  # fmt: skip
-    updates = []  # per call: its lora_meta
-    op = model.transformer.h[0].op
-    for block in model.transformer.h:
-        block.op = lambda *args, _op=op: updates.append(args[-2]) or _op(*args)
+    bank, adapters, updates = with_adapters(model, lora_dtype)  # updates: each call's lora_meta
     n_seq = 6  # requests of a, b, c, the base, a, b (fewer as requests end)
     fused = decode_together(model, n_seq, VOCAB, bank, adapters)
     if lora_dtype == torch.float32:  # the call took steps with adapter rows
