@@ -73,6 +73,18 @@ def _check_plain_weights(model: GPT) -> None:
             )
 
 
+def read_json_object(path: Path, error: type[Exception]) -> dict:
+    """The JSON object in the file at `path`; `error` with one line when the file cannot be read
+    or holds something else."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise error(f"cannot read {path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path} is not a JSON object")
+    return raw
+
+
 def atomic_write(target: Path, write: Callable[[str], object]) -> None:
     """Call write(temp_path) for a temp file beside target, fsync it, rename it over target.
 
@@ -117,12 +129,7 @@ def load_checkpoint(
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} has no {CONFIG_FILE}")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path} is not a JSON object")
+    raw = read_json_object(cfg_path, CheckpointError)
     stored = None  # a Llama-family checkpoint keeps its dtype unless one is asked for
     try:
         if raw.get("format") == "gptserve" or not ("architectures" in raw or "model_type" in raw):

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import atomic_write
+from model.checkpoint import atomic_write, read_json_object
 from model.config import ModelConfig
 from model.lora.adapter import LoraAdapter, LoraPiece
 from model.lora.modules import (
@@ -168,12 +168,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise AdapterError(f"{directory} has no {CONFIG_FILE} (not a PEFT adapter directory)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"cannot read {path}: {exc}") from None
-    if not isinstance(raw, dict):
-        raise AdapterError(f"{path} is not a JSON object")
+    raw = read_json_object(path, AdapterError)
     kind = raw.get("peft_type", "LORA")
     if kind != "LORA":
         raise AdapterError(f"{path}: peft_type {kind!r} is not supported (only LORA)")

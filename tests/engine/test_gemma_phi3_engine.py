@@ -13,6 +13,7 @@ import torch
 from engine.engine import Engine, EngineConfig
 from engine.loader import load_for_inference
 from engine.sampler import SamplingParams
+from tests.engine.test_llama_features import run
 from tests.model.test_hf_gemma_phi3 import VOCAB, make
 from tests.server.test_hf_models_served import save_word_tokenizer
 
@@ -21,16 +22,6 @@ pytest.importorskip("transformers")
 NEW_TOKENS = 12
 PROMPT_LENGTHS = (3, 11, 20, 30)
 WINDOW = 8
-
-
-def run(engine: Engine) -> dict:
-    out: dict = {}
-    for _ in range(10_000):
-        if not engine.has_work():
-            return out
-        for ev in engine.step():
-            out.setdefault(ev.request_id, []).append(ev)
-    raise AssertionError("engine did not finish")
 
 
 def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:  # noqa: ANN001

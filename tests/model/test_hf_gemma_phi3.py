@@ -18,6 +18,7 @@ import torch
 from model import CheckpointError, ModelConfig, load_checkpoint
 from model.checkpoint import save_checkpoint
 from model.config import ConfigError
+from tests.model.test_hf_llama import greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,13 +71,6 @@ def make(kind: str, path: Path, dtype: torch.dtype = torch.float32, **extra: obj
     randomize(model)
     model.to(dtype).save_pretrained(path)
     return model
-
-
-def greedy(step, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(step(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))

@@ -33,14 +33,6 @@ FAMILIES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def text(shakespeare_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "slice.txt"
-    with open(shakespeare_path, encoding="utf-8") as f:
-        path.write_text(f.read(60_000), encoding="utf-8")
-    return path
-
-
 def save_family(kind: str, path: Path, text: Path) -> Path:
     tok = _byte_level_tokenizer(text)
     config_cls, model_cls, extra = FAMILIES[kind]

@@ -25,6 +25,7 @@ from engine.sampler import SamplingParams
 from model import GPT, ModelConfig, load_checkpoint
 from model.tokenizers import HFTokenizer, load_tokenizer
 from tests.conftest import byte_level_bpe
+from tests.train.conftest import metric_rows
 from training.args import parse_config
 from training.checkpointing import BEST_DIR, STATE_FILE, TOKENIZER_FILES
 from training.config import llama_mlp_width
@@ -37,15 +38,6 @@ LLAMA = [
 ]  # fmt: skip
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-
-
-@pytest.fixture(scope="module")
-def text(shakespeare_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first 60 kB of Shakespeare."""
-    path = tmp_path_factory.mktemp("data") / "slice.txt"
-    with open(shakespeare_path, encoding="utf-8") as f:
-        path.write_text(f.read(60_000), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +152,7 @@ def gqa_runs(text: Path, cache: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def test_gqa_llama_resumes_exactly(gqa_runs: list[Path]) -> None:
     whole, resumed = gqa_runs
-    rows = [
-        [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
-         for line in (out / "metrics.jsonl").read_text().splitlines()]
-        for out in (whole, resumed)
-    ]  # fmt: skip
+    rows = [metric_rows(out) for out in (whole, resumed)]
     assert [r["step"] for r in rows[0]] == list(range(1, 7)) and rows[0] == rows[1]
     a, b = (load_file(str(out / "model.safetensors")) for out in gqa_runs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

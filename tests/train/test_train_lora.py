@@ -22,6 +22,7 @@ from model.lora.merge import merge_into
 from model.lora.peft_format import read_peft
 from tests.conftest import byte_level_bpe
 from tests.model.lora.hf_models import make_hf
+from tests.train.conftest import metric_rows
 from training.checkpointing import BEST_DIR, MERGED_DIR, STATE_FILE, TOKENIZER_FILES
 
 peft = pytest.importorskip("peft")
@@ -132,11 +133,7 @@ def test_llama_adapter_resumes_exactly_and_merges_with_its_tokenizer(
     run([*argv, "--out", str(resumed), "--max-steps", "3"], capsys)
     run(["--out", str(resumed), "--resume", "--max-steps", "6", "--merge"], capsys)
 
-    rows = [
-        [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
-         for line in (out / "metrics.jsonl").read_text().splitlines()]
-        for out in (whole, resumed)
-    ]  # fmt: skip
+    rows = [metric_rows(out) for out in (whole, resumed)]
     assert [r["step"] for r in rows[0]] == list(range(1, 7)) and rows[0] == rows[1]
     a, b = (load_file(str(out / "adapter_model.safetensors")) for out in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
