@@ -30,6 +30,8 @@
    through its Python path against one compiled call (`model.cpu.decode_layer`);
    `--parts llama-layer`: the same for the default model (SmolLM2's Q4_1 file, 1 and 16
    sequences) against `model.cpu.llama_layer`'s one call a layer.
+   `--parts lora`: a LoRA adapter's update of SmolLM2's products by 1, 4 and 16 rows,
+   PyTorch's `mm` and `addmm_` against the compiled `lora_update_` (1000 calls a row).
    `--parts sampler`: the sampler's pass over the vocabulary (kernels/cpu/logit_stats.cpp)
    with the log-sum-exp a logprob needs against the argmax alone. `--parts kv`: the Engine's
    decode step (float32 and int8, 1 and 32 sequences) over a float32 KV cache against a
@@ -679,6 +681,50 @@ def sampler_rows() -> list[Row]:
     return rows
 
 
+def lora_rows() -> list[Row]:
+    """One LoRA adapter's update of SmolLM2-135M's products (rank 16 a piece: q and v of the
+    q/k/v product, gate and up, down) for 1, 4 and 16 rows, timed over 1000 calls from Python:
+    PyTorch's `mm` and an `addmm_` per piece (the products' wrappers before) against the
+    compiled `lora_update_` (kernels/cpu/lora_update.cpp)."""
+    from kernels.cpu.native import native_ops
+
+    ops = native_ops()
+    if ops is None:
+        print("lora: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
+        return []
+    shapes = {  # product -> (inputs, each piece's output columns)
+        "q/k/v (q, v)": (576, (576, 192)),
+        "gate/up": (576, (1536, 1536)),
+        "down": (1536, (576,)),
+    }
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for label, (n_in, widths) in shapes.items():
+        rank = 16 * len(widths)
+        a_t = torch.randn(n_in, rank, generator=gen) * 0.01  # (in, R)
+        b_ts = [torch.randn(16, w, generator=gen) * 0.01 for w in widths]  # (r, out) each
+        spans = [n for i, w in enumerate(widths)
+                 for n in (16 * i, 16 * i + 16, sum(widths[:i]), sum(widths[: i + 1]))]  # fmt: skip
+        for n in (1, 4, 16):
+            x, y = torch.randn(n, n_in, generator=gen), torch.zeros(n, sum(widths))
+
+            def torch_update(x=x, y=y, a_t=a_t, b_ts=b_ts, spans=spans):
+                for _ in range(1000):
+                    h = torch.mm(x, a_t)  # (n, R)
+                    for k, b_t in enumerate(b_ts):
+                        c0, c1, lo, hi = spans[4 * k : 4 * k + 4]
+                        y[:, lo:hi].addmm_(h[:, c0:c1], b_t)
+
+            def compiled(x=x, y=y, a_t=a_t, b_ts=b_ts, spans=spans):
+                for _ in range(1000):
+                    ops.lora_update_(y, x, a_t, spans, b_ts)
+
+            before, after = alternate(torch_update, compiled)
+            rows.append((f"LoRA update x1000, {label}, {n} row(s)", "mm + addmm_ -> lora_update_",
+                         before, after))  # fmt: skip
+    return rows
+
+
 PARTS = {
     "linear": linear_rows,
     "attention": lambda: attention_rows(1) + attention_rows(32),
@@ -694,6 +740,7 @@ PARTS = {
     "llama-layer": llama_layer_rows,
     "sampler": sampler_rows,
     "kv": kv_dtype_rows,
+    "lora": lora_rows,
 }
 
 

@@ -1,7 +1,8 @@
 // A LoRA adapter's update of a product's output, for the few rows of a decode step: h = x @ A.T
-// once, then each piece's h[:, c0:c1] @ B.T added into its output columns. PyTorch's mm spends
-// about 10 us on each of these products however small (rank 16 over 576 inputs: 9k
-// multiply-adds), several times what they compute; here they are loops over blocks of up to 4
+// once, then each piece's h[:, c0:c1] @ B.T added into its output columns. PyTorch's mm and
+// addmm_ spend a few microseconds each on these products however small (rank 16 over 576
+// inputs: 9k multiply-adds), several times what they compute (`python bench/cpu_parts.py
+// --parts lora` has the figures); here they are loops over blocks of up to 4
 // rows and 4 vectors of columns held in registers, each sum a chain of fused multiply-adds in
 // one fixed order (along the inputs for x @ A.T, along the rank for the pieces). Runs of more
 // rows go to at::mm and addmm_ (a prefill's rows: threads and blocking pay there).
