@@ -67,7 +67,7 @@ def random_adapter(
     c_fc; down)."""
     g = torch.Generator().manual_seed(seed)
     q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
-    width, gated = config.mlp_width, config.activation == "swiglu"
+    width, gated = config.mlp_width, config.gated_mlp
 
     def piece(n_in: int, rows: int, offset: int = 0) -> LoraPiece:
         return LoraPiece(torch.randn(rank, n_in, generator=g) * 0.01,

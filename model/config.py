@@ -100,6 +100,12 @@ class ModelConfig:
         return self.n_kv_head or self.n_head
 
     @property
+    def gated_mlp(self) -> bool:
+        """Whether the feed-forward block is gated (SwiGLU, GeGLU): c_fc's outputs are the gate,
+        then the up projection."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
     def mlp_width(self) -> int:
         return self.intermediate_size or 4 * self.n_embd
 

@@ -138,7 +138,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         width = config.mlp_width
-        self.gated = config.activation in ("swiglu", "geglu")
+        self.gated = config.gated_mlp
         self.gelu_gate = config.activation == "geglu"  # gelu (tanh) of the gate, not silu
         self.gate_fn = _gelu_tanh if self.gelu_gate else F.silu
         self.c_fc = nn.Linear(config.n_embd, (2 if self.gated else 1) * width, bias=config.bias)

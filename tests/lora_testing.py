@@ -20,7 +20,7 @@ def random_adapter(
     g = torch.Generator().manual_seed(seed)
     q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     width = config.mlp_width
-    gated = config.activation == "swiglu"
+    gated = config.gated_mlp
 
     def piece(n_in: int, rows: int, offset: int = 0) -> LoraPiece:
         a = torch.randn(rank, n_in, generator=g) * std

@@ -107,8 +107,7 @@ class LoraBank:
 
     def check(self, adapter: LoraAdapter) -> None:
         """Raise LoraRankError or LoraShapeError (one line) if `adapter` cannot be loaded."""
-        ranks = [p.a.shape[0] for pieces in adapter.pieces.values() for p in pieces]
-        rank = max([adapter.rank, *ranks])
+        rank = adapter.max_rank
         if rank > self.max_rank:
             raise LoraRankError(
                 f"adapter {adapter.name!r} has rank {rank}, above --max-lora-rank {self.max_rank}"
@@ -354,7 +353,7 @@ def _product_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """(in, out) of each layer product an adapter may update, by its suffix."""
     c = model.config
     q_width, kv_width = c.n_head * c.head_dim, c.kv_heads * c.head_dim
-    fc_rows = (2 if c.activation == "swiglu" else 1) * c.mlp_width
+    fc_rows = (2 if c.gated_mlp else 1) * c.mlp_width
     return {
         "attn.c_attn": (c.n_embd, q_width + 2 * kv_width),
         "attn.c_proj": (q_width, c.n_embd),

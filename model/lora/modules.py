@@ -28,8 +28,9 @@ class Slice:
 
 
 def is_llama_family(config: ModelConfig) -> bool:
-    """Hugging Face names a SwiGLU model's layers as Llama does; any other as GPT-2 does."""
-    return config.activation == "swiglu"
+    """Hugging Face names a gated model's layers (SwiGLU: Llama, Qwen, Phi-3; GeGLU: Gemma 3) as
+    Llama does; any other as GPT-2 does."""
+    return config.gated_mlp
 
 
 def _layer_slices(config: ModelConfig, i: int) -> dict[str, Slice]:

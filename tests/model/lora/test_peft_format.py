@@ -193,3 +193,18 @@ def test_an_adapter_for_another_architecture_or_size_is_refused(tmp_path: Path) 
     with pytest.raises(AdapterError, match="no adapter_config.json") as info:
         read_peft(tmp_path, config)
     assert not isinstance(info.value, BaseMismatchError)  # not a mismatch: no adapter at all
+
+
+def test_a_geglu_model_is_named_and_sliced_as_the_llama_family() -> None:
+    """Gemma 3's gated MLP: c_fc holds the gate, then up; its modules have Llama's names."""
+    from model import ModelConfig
+    from model.lora.modules import hf_modules
+
+    gemma = ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, intermediate_size=48,
+                        bias=False, pos_encoding="rotary", norm="gemma_rmsnorm",
+                        activation="geglu")  # fmt: skip
+    assert "mlp.up_proj" in hf_modules(gemma)
+    (gate,), (up,) = (
+        target_slices(gemma, (t,))["transformer.h.0.mlp.c_fc"] for t in ("gate", "up")
+    )
+    assert (gate.offset, gate.rows) == (0, 48) and (up.offset, up.rows) == (48, 48)
