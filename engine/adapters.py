@@ -60,8 +60,6 @@ class LoadedAdapter:
     name: str
     slot: int
     uid: int  # this load's number, never reused
-    rank: int
-    source: str | None = None  # where it was read from
     users: int = 0  # requests using it now
     unloaded: bool = False  # its name is gone; the slot empties once `users` is 0
 
@@ -75,19 +73,7 @@ class AdapterSlots:
         self._by_slot: dict[int, LoadedAdapter] = {}  # filled slots (named or draining)
         self._uids = itertools.count(1)
 
-    @property
-    def max_loras(self) -> int:
-        return self.bank.max_loras
-
-    @property
-    def max_rank(self) -> int:
-        return self.bank.max_rank
-
-    def loaded(self) -> list[LoadedAdapter]:
-        """The adapters requests may name, in load order."""
-        return list(self._by_name.values())
-
-    def load(self, name: str, adapter: LoraAdapter, source: str | None = None) -> LoadedAdapter:
+    def load(self, name: str, adapter: LoraAdapter) -> LoadedAdapter:
         """Put `adapter` in a free slot under `name`; raises AdapterError."""
         if name in self._by_name:
             raise AdapterError(
@@ -108,8 +94,7 @@ class AdapterSlots:
                 SLOTS_FULL,
             )
         self.bank.load(free, adapter)
-        rank = max(p.a.shape[0] for pieces in adapter.pieces.values() for p in pieces)
-        entry = LoadedAdapter(name, free, next(self._uids), rank, source)
+        entry = LoadedAdapter(name, free, next(self._uids))
         self._by_name[name] = self._by_slot[free] = entry
         return entry
 

@@ -41,6 +41,7 @@ import torch
 from engine.block_pool import BlockAllocator, OutOfBlocks
 from engine.prefix_index import PrefixIndex, Salt, salt_root
 from kernels.metadata import AttentionMetadata
+from kernels.window import skipped_blocks
 
 __all__ = ["RELEASED", "BlockAllocator", "BlockManager", "OutOfBlocks", "StepBlocks"]
 
@@ -120,7 +121,9 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if self.window is None or not table:
             return 0
-        dead = min(len(table), max(0, self.seq_len(seq_id) - self.window + 1) // self.block_size)
+        # the blocks attention's trim_to_window skips for the next token (one query at seq_len)
+        next_len = self.seq_len(seq_id) + 1
+        dead = min(len(table), skipped_blocks(next_len, 1, self.window, self.block_size))
         done = self._released.get(seq_id, 0)
         if dead <= done:
             return 0

@@ -68,8 +68,7 @@ def with_adapter(model: GPT, directory: str) -> tuple[LoraBank, LoraAdapter]:
     adapter, named after its directory; raises AdapterError (one line) if it cannot be read or
     does not fit the model."""
     adapter = read_adapter(directory, model.config, Path(directory).resolve().name)
-    ranks = [p.a.shape[0] for pieces in adapter.pieces.values() for p in pieces]
-    return install_lora(model, 1, max([adapter.rank, *ranks])), adapter
+    return install_lora(model, 1, adapter.max_rank), adapter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         bank, adapter = with_adapter(loaded.model, args.lora) if args.lora else (None, None)
         engine = Engine(loaded.model, tokenizer, config, lora=bank)
         if adapter is not None:
-            engine.adapters.load(adapter.name, adapter, args.lora)  # checks its shapes
+            engine.adapters.load(adapter.name, adapter)  # checks its shapes
             params = dataclasses.replace(params, lora=adapter.name)
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True) or [tokenizer.eot_token]
         engine.add_request("cli", prompt, params)

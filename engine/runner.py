@@ -19,7 +19,7 @@ from engine.block_manager import StepBlocks
 from engine.step_plan import StepPlan
 from kernels.paged_kv import KVPools
 from model.gpt import GPT
-from model.lora.batched import LoraBank
+from model.lora.batched import BASE_SLOT, LoraBank
 
 
 class ModelRunner:
@@ -43,8 +43,8 @@ class ModelRunner:
         rows, the final hidden states after the final norm (len(plan.hidden_positions), C),
         from one forward; raises what the forward raises."""
         self.pools.copy_blocks(blocks.copies)
-        if self.lora is None:
-            return self._forward(plan, blocks)
+        if self.lora is None or all(s.seq.lora_slot == BASE_SLOT for s in plan.scheduled):
+            return self._forward(plan, blocks)  # no adapter rows: nothing to name
         row_slots = [s.seq.lora_slot for s in plan.scheduled for _ in range(s.num_tokens)]
         try:
             self.pools.module_forwards_only = self.lora.set_step(row_slots, self.device)

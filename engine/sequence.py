@@ -17,6 +17,7 @@ import torch
 
 from engine.prefix_index import Salt
 from engine.sampler import SamplingParams
+from model.lora.batched import BASE_SLOT
 from model.tokenizers import Tokenizer
 
 
@@ -97,7 +98,7 @@ class Sequence:
         self._hold = max((len(s) for s in params.stop), default=0)
         self._stop_from = 0  # a stop string must end past this many characters (min_tokens)
         self.text_offsets: list[int] = []  # where each generated token's text begins in _text
-        self.lora_slot = -1  # the LoRA slot its rows use (-1: the base), set by the engine
+        self.lora_slot = BASE_SLOT  # the LoRA slot its rows use (none: the base), set by the engine
         self.prefix_salt: Salt = params.cache_salt  # its prefix-cache blocks' salt (and adapter)
 
     @property

@@ -12,6 +12,8 @@ named (new requests get 404) but its requests finish with it (`engine.adapters`)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -37,9 +39,19 @@ def _state(request: Request) -> ServerState:
     return state
 
 
-def _as_api_error(exc: AdapterError) -> APIError:
-    status = 404 if exc.code == NOT_FOUND else 400
-    return APIError(status, exc.message, param=exc.param, code=exc.code)
+@contextmanager
+def _adapter_errors(late: str) -> Iterator[None]:
+    """The endpoints' errors in the OpenAI shape: an AdapterError (404 for an unknown adapter,
+    else 400), a dead engine (503), and the engine not done in time (503 with `late`)."""
+    try:
+        yield
+    except AdapterError as exc:
+        status = 404 if exc.code == NOT_FOUND else 400
+        raise APIError(status, exc.message, param=exc.param, code=exc.code) from None
+    except EngineDeadError as exc:
+        raise engine_stopped(exc) from None
+    except asyncio.TimeoutError:
+        raise APIError(503, late, code="timeout") from None
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
@@ -52,17 +64,9 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
             400, f"{name!r} is the base model's name", param="lora_name", code="lora_name_taken"
         )
     config = state.loaded.model.config
-    try:
+    with _adapter_errors("the engine did not take the adapter in time"):
         adapter = await run_in_threadpool(read_adapter, body.lora_path, config, name)
-        await async_engine.run_on_engine(
-            lambda engine: engine.adapters.load(name, adapter, body.lora_path)
-        )
-    except AdapterError as exc:
-        raise _as_api_error(exc) from None
-    except EngineDeadError as exc:
-        raise engine_stopped(exc) from None
-    except asyncio.TimeoutError:
-        raise APIError(503, "the engine did not take the adapter in time", code="timeout") from None
+        await async_engine.run_on_engine(lambda engine: engine.adapters.load(name, adapter))
     state.lora_names[name] = body.lora_path
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -75,12 +79,6 @@ async def unload_lora_adapter(
     async_engine = state.require_ready()
     name = body.lora_name
     state.lora_names.pop(name, None)  # new requests for it are refused from now on
-    try:
+    with _adapter_errors("the engine did not unload in time"):
         await async_engine.run_on_engine(lambda engine: engine.adapters.unload(name))
-    except AdapterError as exc:
-        raise _as_api_error(exc) from None
-    except EngineDeadError as exc:
-        raise engine_stopped(exc) from None
-    except asyncio.TimeoutError:
-        raise APIError(503, "the engine did not unload in time", code="timeout") from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

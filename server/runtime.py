@@ -204,8 +204,8 @@ class ServerState:
 
         def build() -> Engine:
             engine = Engine(loaded.model, loaded.tokenizer, config, loaded.draft, loaded.lora)
-            for name, (adapter, directory) in loaded.adapters.items():
-                engine.adapters.load(name, adapter, str(directory))
+            for name, (adapter, _) in loaded.adapters.items():
+                engine.adapters.load(name, adapter)
             return engine
 
         async_engine = AsyncEngine(

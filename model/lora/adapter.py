@@ -36,3 +36,8 @@ class LoraAdapter:
     scaling: float  # alpha / rank, or alpha / sqrt(rank) with rsLoRA
     pieces: dict[str, list[LoraPiece]] = field(default_factory=dict)
     base: str | None = None  # the base model the adapter was trained on, as its config says
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of any of its pieces (a `rank_pattern` may raise one above `rank`)."""
+        return max([self.rank, *(p.a.shape[0] for ps in self.pieces.values() for p in ps)])
