@@ -6,9 +6,9 @@ attention metadata and the block copies to make first), it makes the copies, pac
 new tokens into one tensor and runs the model's one forward, asking only for the rows the plan
 needs (and the final hidden states of an embedding's rows). What the logits mean (draw, verify,
 score) is the engine's business. With LoRA slots (`model.lora.batched`), each packed row is
-named its sequence's adapter slot first; a step with adapter rows runs every product's own
-forward (`KVPools.module_forwards_only`), or the one-call layers that apply the step's
-updates themselves (`model.cpu.llama_layer`, `model.cpu.decode_layer`).
+named its sequence's adapter slot first (`LoraBank.set_step`); the products' wrappers, or the
+one-call layers that take the step's updates themselves (`model.cpu.one_call_block`), apply
+them.
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ class ModelRunner:
             return self._forward(plan, blocks)  # no adapter rows: nothing to name
         row_slots = [s.seq.lora_slot for s in plan.scheduled for _ in range(s.num_tokens)]
         try:
-            self.pools.module_forwards_only = self.lora.set_step(row_slots, self.device)
+            self.lora.set_step(row_slots, self.device)
             return self._forward(plan, blocks)
         finally:
             self.lora.clear_step()
-            self.pools.module_forwards_only = False
 
     def _forward(
         self, plan: StepPlan, blocks: StepBlocks

@@ -7,9 +7,8 @@ bookkeeping is the engine's (`engine.block_manager`), which hands each step its
 `AttentionMetadata` and the block copies to make first (`copy_blocks`). A step's attention is
 `plan(meta)` once, then `attend(layer, ...)` per layer, or, where the step and the backend suit
 it, one of the declared one-call paths (`has_qkv_path` -> `attend_qkv`, `has_one_call_step` ->
-`one_call_step`); a one-call layer, which reads the products' weights itself, runs while
-`module_forwards_only` is set (a step with LoRA adapter rows, whose updates run in the
-products' forwards) only if it applies the updates itself. The pools hold the model's key/value
+`one_call_step`; a step with LoRA adapter rows is the one-call layer's to judge, since it reads
+the products' weights itself: `model.cpu.one_call_block`). The pools hold the model's key/value
 heads only: with grouped-query attention, `group` query heads read each of them (`kernels.gqa`).
 
 Each layer may have a sliding window (`windows`, `kernels.window`): `plan(meta)` then also plans
@@ -77,10 +76,6 @@ class KVPools:
         # each layer's pools as views made once: indexing self.k per layer and step costs more
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.block_size = block_size
-        # True for a step whose model products must each run their own forward (a step with
-        # LoRA adapter rows: the update is applied there): only a one-call layer that applies
-        # the updates itself takes it (`has_one_call_step`'s `applies_lora`)
-        self.module_forwards_only = False
 
     @classmethod
     def for_model(
@@ -161,8 +156,8 @@ class KVPools:
         self, plan: AttentionPlan, qkv_dtype: torch.dtype, rope_dtype: torch.dtype | None
     ) -> bool:
         """Whether `attend_qkv` takes this step: a q/k/v product of `qkv_dtype` and rotary
-        tables of `rope_dtype` (None: no rotary positions). It runs under `module_forwards_only`
-        too: the q/k/v product and the output product around it are still the model's own."""
+        tables of `rope_dtype` (None: no rotary positions). A step with LoRA adapter rows takes
+        it too: the q/k/v product and the output product around it are still the model's own."""
         return self.backend.has_qkv_path(self.spec.dtype, plan, qkv_dtype, rope_dtype)
 
     def attend_qkv(
@@ -178,12 +173,9 @@ class KVPools:
             qkv, cos, sin, *self._layers[layer], step, n_head, out_dtype
         )
 
-    def has_one_call_step(self, plan: AttentionPlan, applies_lora: bool = False) -> bool:
-        """Whether this step suits the compiled one-call decode of a whole layer; under
-        `module_forwards_only` only for a caller that applies the step's adapter updates itself
-        (`applies_lora`: the one call reads the products' weights, not their wrappers)."""
-        if self.module_forwards_only and not applies_lora:
-            return False
+    def has_one_call_step(self, plan: AttentionPlan) -> bool:
+        """Whether this step suits the compiled one-call decode of a whole layer (whose LoRA
+        updates, if the step has adapter rows, are the layer's: `OneCallBlock.lora_updates`)."""
         return self.backend.has_one_call_step(self.spec.dtype, plan)
 
     def one_call_step(self, layer: int, plan: AttentionPlan) -> tuple[torch.Tensor, ...]:

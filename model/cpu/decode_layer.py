@@ -46,12 +46,11 @@ class FusedDecodeBlock(OneCallBlock):
     def forward_cached(
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan, rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
-        updates = self.lora_updates(layer)
         if (
-            updates is not None
-            and x.shape[0] <= LAYER_FEW_ROWS
+            x.shape[0] <= LAYER_FEW_ROWS
             and rope is None
-            and cache.has_one_call_step(plan, applies_lora=self.lora_bank is not None)
+            and cache.has_one_call_step(plan)
+            and (updates := self.lora_updates(layer)) is not None
         ):
             step = cache.one_call_step(layer, plan)
             return self.op(x, self.norms, self.tiles, self.biases, self.widths, *step,

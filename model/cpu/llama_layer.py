@@ -96,15 +96,14 @@ class FusedLlamaBlock(OneCallBlock):
         self, x: torch.Tensor, cache: PagedKV, layer: int, plan: AttentionPlan, rope: Rope = None,
     ) -> torch.Tensor:  # fmt: skip
         n = x.shape[0]
-        updates = self.lora_updates(layer)
         if (
-            updates is not None
-            and n <= self.max_rows
+            n <= self.max_rows
             and rope is not None
             and x.dtype == torch.float32
             and rope[0].dtype == torch.float32
-            and cache.has_one_call_step(plan, applies_lora=self.lora_bank is not None)
+            and cache.has_one_call_step(plan)
             and cache.has_qkv_path(plan, torch.float32, torch.float32)
+            and (updates := self.lora_updates(layer)) is not None
         ):
             step = cache.one_call_step(layer, plan)
             cos, sin = rope[0].view(n, -1), rope[1].view(n, -1)  # (N, D) each

@@ -28,11 +28,11 @@ feed-forward product) gets a twin without it, sharing its weights, for the steps
 update it: the update must come before the activation.
 
 Compiled paths that run a whole layer without calling its products' forwards would skip the
-update: a step with adapter rows must not take them (`LoraBank.active`; the engine's runner
-turns them off with `KVPools.module_forwards_only`), except the one-call layers
-(`model.cpu.llama_layer`, `model.cpu.decode_layer`), which take the step's updates of their
-layer as packed arguments (`LoraBank.one_call_updates`) and add them with the same compiled
-function on the same views, where each adapter's rows are one run and the adapters are float32.
+update. The one-call layers (`model.cpu.llama_layer`, `model.cpu.decode_layer`) take the step's
+updates of their layer as packed arguments instead (`LoraBank.one_call_updates`) and add them
+with the same compiled function on the same views, where each adapter's rows are one run and
+the adapters are float32; any other step with adapter rows (`LoraBank.active`) they leave to
+the block's forward, whose products' wrappers apply the updates.
 """
 
 from __future__ import annotations
