@@ -32,4 +32,4 @@ ENV GPTSERVE_MODEL=""
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"
-CMD ["sh", "-c", "exec python -m server --host 0.0.0.0 --port 8000 ${GPTSERVE_MODEL:+--model \"$GPTSERVE_MODEL\"}"]
+CMD ["sh", "-c", "exec gptserve serve --host 0.0.0.0 --port 8000 ${GPTSERVE_MODEL:+--model \"$GPTSERVE_MODEL\"}"]

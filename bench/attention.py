@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
 
 MODEL_DIM = 2048  # H * D for the flash runs: 32 heads of 64 or 16 heads of 128
 TOKENS = 16384  # B * T for the flash runs
@@ -36,9 +36,8 @@ def bench_ms(fn, grad_to_none=None) -> float:
 
 def flash_case(B: int, H: int, T: int, D: int, dtype: torch.dtype) -> dict:
     """Times (ms) of ours and SDPA-flash, forward and forward+backward, plus the max difference."""
+    from gptserve.kernels.triton.flash import triton_flash_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from kernels.triton.flash import triton_flash_attention
 
     q, k, v = (
         torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
@@ -111,8 +110,8 @@ def copy_bandwidth_gbs() -> float:
 def bench_paged(
     batches, contexts, n_head=16, head_dim=128, page=16, max_tokens=4 << 20
 ) -> list[dict]:
-    from kernels.metadata import AttentionMetadata
-    from kernels.triton.paged import triton_paged_attention
+    from gptserve.kernels.metadata import AttentionMetadata
+    from gptserve.kernels.triton.paged import triton_paged_attention
 
     dtype = torch.float16
     copy_gbs = copy_bandwidth_gbs()

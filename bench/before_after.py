@@ -4,7 +4,7 @@
 
 Checks REV out into a temporary worktree and, each round, runs the same measurement in a fresh
 process of each tree (the order alternating, so a noisy spell hits both sides), on the same
-model (default: the default model, SmolLM2-135M-Instruct's GGUF file as `python -m server`
+model (default: the default model, SmolLM2-135M-Instruct's GGUF file as `gptserve serve`
 serves it): one greedy stream (64-token prompt, 64 new tokens), 16 streams, and a 512-token
 prompt's prefill. Prints the host, then a table of the best round of each side and their ratio.
 The measurement goes through `engine.loader.load_for_inference`, `Engine.add_request` and
@@ -21,20 +21,28 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.host import print_host  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""
-import json, sys, time
+import importlib, json, os, sys, time
 import torch
-from engine.engine import Engine, EngineConfig
-from engine.loader import load_for_inference
-from engine.sampler import SamplingParams
-from model.known_models import resolve_model
 
-path = resolve_model(sys.argv[1])
+# the tree measured, whatever its layout: gptserve.* (gptserve/__init__.py finds the root's
+# folders), or an older tree's top-level packages
+tree = sys.argv[2]
+sys.path.insert(0, tree)  # before any install of gptserve
+prefix = "gptserve." if os.path.isdir(os.path.join(tree, "gptserve")) else ""
+def part(name):
+    return importlib.import_module(prefix + name)
+Engine, EngineConfig = part("engine.engine").Engine, part("engine.engine").EngineConfig
+load_for_inference = part("engine.loader").load_for_inference
+SamplingParams = part("engine.sampler").SamplingParams
+print("measuring", part("engine.engine").__file__, file=sys.stderr)
+
+path = part("model.known_models").resolve_model(sys.argv[1])
 loaded = load_for_inference(path, device="cpu", dtype="auto", quantization="none")
 engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(prefix_caching=False))
 vocab = loaded.model.config.vocab_size
@@ -65,7 +73,7 @@ print(json.dumps(rates))
 
 def measure(tree: Path, model: str) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, model], cwd=tree, capture_output=True, text=True,
+        [sys.executable, "-c", CHILD, model, str(tree)], cwd=tree, capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(tree)}, timeout=1800,
     )  # fmt: skip
     if done.returncode != 0:

@@ -59,24 +59,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-import kernels.cpu.cascade as cpu_cascade  # noqa: E402
-import kernels.cpu.decode as cpu_decode  # noqa: E402
-import kernels.cpu.products as cpu_products  # noqa: E402
-import kernels.sdpa_paged as sdpa_paged  # noqa: E402
+import gptserve.kernels.cpu.cascade as cpu_cascade  # noqa: E402
+import gptserve.kernels.cpu.decode as cpu_decode  # noqa: E402
+import gptserve.kernels.cpu.products as cpu_products  # noqa: E402
+import gptserve.kernels.sdpa_paged as sdpa_paged  # noqa: E402
+from gptserve.engine.block_manager import BlockManager  # noqa: E402
+from gptserve.kernels.backends import CpuPagedBackend  # noqa: E402
+from gptserve.kernels.cpu.native import native_ops  # noqa: E402
+from gptserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from gptserve.kernels.paged_kv import KVPools  # noqa: E402
+from gptserve.model import GPT, ModelConfig  # noqa: E402
+from gptserve.model.cpu import optimize_for_cpu  # noqa: E402
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from gptserve.model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
+from gptserve.model.cpu.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
+from gptserve.model.quantize import Int8Linear, quantize  # noqa: E402
+
 from bench.host import print_host  # noqa: E402
-from engine.block_manager import BlockManager  # noqa: E402
-from kernels.backends import CpuPagedBackend  # noqa: E402
-from kernels.cpu.native import native_ops  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.paged_kv import KVPools  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
-from model.cpu import optimize_for_cpu  # noqa: E402
-from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from model.cpu.onednn_linear import OneDnnLinear  # noqa: E402
-from model.cpu.packed_linear import PackedLinear, pack_head, pack_linear, slab_count  # noqa: E402
-from model.quantize import Int8Linear, quantize  # noqa: E402
 
 LAYER_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]  # (in, out) per layer
 Row = tuple  # (part, what it replaced, before ms, after ms[, bytes the after side reads])
@@ -291,9 +292,9 @@ def score_product_row(rows: int, keys: int) -> Row:
 
 def decode_step_ms(retain: bool) -> float:
     """Median decode step with 32 sequences (after 20 warm-up steps), in this process."""
-    import engine.engine as engine_module
-    from engine.sampler import SamplingParams
-    from model import GPT, ModelConfig, get_tokenizer
+    import gptserve.engine.engine as engine_module
+    from gptserve.engine.sampler import SamplingParams
+    from gptserve.model import GPT, ModelConfig, get_tokenizer
 
     if retain:
         retain_freed_memory()
@@ -414,9 +415,9 @@ def read_rows() -> list[Row]:
 
 def step_rows() -> list[Row]:
     """Median decode step of the Engine with 1 and 32 sequences: fp32 -> bf16, fp32 -> int8."""
-    import engine.engine as engine_module
-    from engine.sampler import SamplingParams
-    from model import GPT, ModelConfig, get_tokenizer
+    import gptserve.engine.engine as engine_module
+    from gptserve.engine.sampler import SamplingParams
+    from gptserve.model import GPT, ModelConfig, get_tokenizer
 
     torch.manual_seed(0)
     state = GPT(ModelConfig()).state_dict()
@@ -468,10 +469,9 @@ def int4_rows() -> list[Row]:
     by 1, 4, 16, 64 and 512 rows: PyTorch's int4 kernel (bfloat16 rows) against the compiled one
     (float32 rows), as `model.int4_linear.Int4Linear` holds each."""
     import numpy as np
-
-    from kernels.cpu.native import native_ops
-    from model.gguf.blocks import Int4Groups
-    from model.int4_linear import Int4Linear
+    from gptserve.kernels.cpu.native import native_ops
+    from gptserve.model.gguf.blocks import Int4Groups
+    from gptserve.model.int4_linear import Int4Linear
 
     if native_ops() is None:
         print("int4: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
@@ -501,8 +501,8 @@ def f32_rows() -> list[Row]:
     """GPT-2's 48 layer matrices and its head by 1 to 16 float32 rows: oneDNN's layout against
     the compiled tiles (`model.cpu.few_rows_linear`, which the engine takes for up to
     LAYER_FEW_ROWS and HEAD_FEW_ROWS rows)."""
-    from kernels.cpu.native import native_ops
-    from model.cpu.few_rows_linear import FewRowsLinear, compiled_tiles
+    from gptserve.kernels.cpu.native import native_ops
+    from gptserve.model.cpu.few_rows_linear import FewRowsLinear, compiled_tiles
 
     ops = native_ops()
     if not compiled_tiles(ops):
@@ -527,7 +527,7 @@ def q8_rows() -> list[Row]:
     PyTorch's int8 kernel (bfloat16 rows; the dequantized product from MANY_ROWS rows where
     bfloat16 is native) against the compiled tiles (float32 rows quantized to 8 bits per block;
     dequantized from TILED_MANY_ROWS rows where bfloat16 is native)."""
-    from model.quantize import q8_ops
+    from gptserve.model.quantize import q8_ops
 
     if q8_ops(768, torch.device("cpu")) is None:
         print("q8: the compiled kernels are not built here (GPTSERVE_NATIVE=0 or no compiler)")
@@ -551,9 +551,9 @@ def switched_steps(model: nn.Module, tokenizer, fused: type, seqs: int, vocab: i
     """Median decode step (ms) of one Engine over `model` with `seqs` sequences of 64-token
     prompts, each `fused` layer's step through its Python path (`Block.forward_cached`) and
     through its compiled call, the two switched every 10 steps."""
-    import engine.engine as engine_module
-    from engine.sampler import SamplingParams
-    from model.gpt import Block
+    import gptserve.engine.engine as engine_module
+    from gptserve.engine.sampler import SamplingParams
+    from gptserve.model.gpt import Block
 
     compiled = fused.forward_cached
     eng = engine_module.Engine(
@@ -583,8 +583,8 @@ def layer_rows() -> list[Row]:
     """Median decode step of the Engine (GPT-2 124M float32, 1 and 4 sequences) with each
     layer's step through its Python path against one `decode_layer` call
     (`model.cpu.decode_layer`), the two switched every 10 steps of one engine."""
-    from model import get_tokenizer
-    from model.cpu.decode_layer import FusedDecodeBlock
+    from gptserve.model import get_tokenizer
+    from gptserve.model.cpu.decode_layer import FusedDecodeBlock
 
     torch.manual_seed(0)
     model = optimize_for_cpu(GPT(ModelConfig()).eval())
@@ -602,9 +602,9 @@ def llama_layer_rows() -> list[Row]:
     """Median decode step of the Engine over the default model (SmolLM2-135M-Instruct's Q4_1
     file, 1 and 16 sequences) with each layer's step through its Python path against one
     `llama_decode_layer` call (`model.cpu.llama_layer`), switched every 10 steps of one engine."""
-    from engine.loader import load_for_inference
-    from model.cpu.llama_layer import FusedLlamaBlock
-    from model.known_models import DEFAULT_MODEL_NAME, resolve_model
+    from gptserve.engine.loader import load_for_inference
+    from gptserve.model.cpu.llama_layer import FusedLlamaBlock
+    from gptserve.model.known_models import DEFAULT_MODEL_NAME, resolve_model
 
     loaded = load_for_inference(resolve_model(DEFAULT_MODEL_NAME))
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -624,10 +624,10 @@ def kv_dtype_rows() -> list[Row]:
     with 1 and 32 sequences of 64-token prompts: the KV cache in float32 (the model's dtype)
     against float16 (`--kv-cache-dtype float16`), the two taking 10 steps in turn, so that their
     contexts grow alike (69 to 189 tokens)."""
-    import engine.engine as engine_module
-    from engine.sampler import SamplingParams
-    from model import get_tokenizer
-    from model.quantize import quantize
+    import gptserve.engine.engine as engine_module
+    from gptserve.engine.sampler import SamplingParams
+    from gptserve.model import get_tokenizer
+    from gptserve.model.quantize import quantize
 
     rows = []
     for method in ("none", "int8"):
@@ -666,7 +666,7 @@ def kv_dtype_rows() -> list[Row]:
 def sampler_rows() -> list[Row]:
     """The sampler's pass over GPT-2's vocabulary for 1 and 32 greedy rows: argmax and
     log-sum-exp (a row reports logprobs) against the argmax alone (none does)."""
-    from engine.sampler import _argmax_and_logsumexp
+    from gptserve.engine.sampler import _argmax_and_logsumexp
 
     rows = []
     for n in (1, 32):
@@ -686,7 +686,7 @@ def lora_rows() -> list[Row]:
     q/k/v product, gate and up, down) for 1, 4 and 16 rows, timed over 1000 calls from Python:
     PyTorch's `mm` and an `addmm_` per piece (the products' wrappers before) against the
     compiled `lora_update_` (kernels/cpu/lora_update.cpp)."""
-    from kernels.cpu.native import native_ops
+    from gptserve.kernels.cpu.native import native_ops
 
     ops = native_ops()
     if ops is None:

@@ -35,23 +35,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-import engine.engine as engine_module  # noqa: E402
-from bench.decode_speculative import speculative_rows  # noqa: E402
-from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import (  # noqa: E402
+import gptserve.engine.engine as engine_module  # noqa: E402
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import (  # noqa: E402
     ModelLoadError,
     check_load,
     load_for_inference,
     prepare_for_inference,
 )
-from engine.sampler import SamplingParams  # noqa: E402
-from model import GPT, load_checkpoint  # noqa: E402
-from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from model.dtypes import DTYPES  # noqa: E402
-from model.quantize import QUANTIZATIONS  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model import GPT, load_checkpoint  # noqa: E402
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from gptserve.model.dtypes import DTYPES  # noqa: E402
+from gptserve.model.quantize import QUANTIZATIONS  # noqa: E402
+
+from bench.decode_speculative import speculative_rows  # noqa: E402
+from bench.host import print_host  # noqa: E402
 
 
 @dataclass
@@ -207,7 +208,7 @@ class Served:
 
 
 def serve(row: Row, checkpoint: str, device: str, num_blocks: int) -> Served:
-    """Load the checkpoint as `python -m server` would with the row's flags; build its engine."""
+    """Load the checkpoint as `gptserve serve` would with the row's flags; build its engine."""
     loaded = load_for_inference(
         checkpoint, device=device, dtype=row.dtype, quantization=row.quantize
     )

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.engine import Engine, EngineConfig
-from engine.loader import prepare_for_inference
-from engine.sampler import SamplingParams
-from model import GPT, get_tokenizer, load_checkpoint
-from model.quantize import weight_bytes
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import prepare_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, get_tokenizer, load_checkpoint
+from gptserve.model.quantize import weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "model" / "shakespeare"

@@ -7,7 +7,7 @@ The file is written once (`--out`, default under the system's temporary director
 Llama-shaped model whose widths are whole super-blocks (1024 wide, 8 layers, FFN 2816, 32000
 tokens, an untied head), random weights rounded to `--kind` by `model.gguf.kquant_blocks.
 quantize`, every matrix and the token table in that type, and a stand-in tokenizer. Two rows
-load it as `python -m server` does (`load_for_inference`): "own bits", the file's super-blocks
+load it as `gptserve serve` does (`load_for_inference`): "own bits", the file's super-blocks
 through the compiled K-quant kernels (`model.kquant_linear.KQuantLinear`, today's path), and
 "int8 rows", each matrix requantized to int8 rows with one scale each (`Int8Linear`, the path
 before it, which serves now only where the compiled kernels are not built). Each row reports
@@ -33,15 +33,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import InferenceModel, load_for_inference  # noqa: E402
+from gptserve.model.gguf.kquant_blocks import quantize  # noqa: E402
+from gptserve.model.kquant_linear import KQuantLinear  # noqa: E402
+from gptserve.model.quantize import Int8Linear, quantize_rows  # noqa: E402
 
 from bench.gguf_lowbit import decode_seconds  # noqa: E402
 from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import InferenceModel, load_for_inference  # noqa: E402
-from model.gguf.kquant_blocks import quantize  # noqa: E402
-from model.kquant_linear import KQuantLinear  # noqa: E402
-from model.quantize import Int8Linear, quantize_rows  # noqa: E402
 
 ROWS = ("own bits", "int8 rows")
 HIDDEN, LAYERS, FFN, HEADS, KV_HEADS, VOCAB = 1024, 8, 2816, 16, 4, 32000
@@ -101,7 +102,7 @@ def write_file(path: Path, kind: str) -> None:
 
 def load(path: Path, label: str) -> InferenceModel:
     """The file loaded as `label`'s row serves it."""
-    import model.gguf.quantized as quantized
+    import gptserve.model.gguf.quantized as quantized
 
     own = quantized.kquant_compiled
     if label == "int8 rows":  # the path taken where the compiled kernels are not built

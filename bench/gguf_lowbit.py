@@ -3,7 +3,7 @@
     python bench/gguf_lowbit.py                 # memory, load, decode and quality rows
     python bench/gguf_lowbit.py --rounds 5 --threads 1
 
-Both rows load the real file (`fetch_known_model`) as `python -m server` does: "own bits" with
+Both rows load the real file (`fetch_known_model`) as `gptserve serve` does: "own bits" with
 `--quantize none` (Q4_1 layers through the int4 kernel, the Q8_0 table read from the file), and
 "float32" with `--quantize dequantize` (today's float path). Each row reports the resident memory
 a fresh process gains loading it (model and tokenizer) and the load time, measured in a
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import InferenceModel, load_for_inference  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model.known_models import fetch_known_model  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import InferenceModel, load_for_inference  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from model.known_models import fetch_known_model  # noqa: E402
 
 ROWS = {"own bits": "none", "float32": "dequantize"}  # label -> --quantize
 REPO = Path(__file__).resolve().parents[1]

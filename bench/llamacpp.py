@@ -38,7 +38,7 @@ that spin while they wait for one another count too, so `--threads 1` gives the 
 figures on a busy machine.
 
 With `--gguf FILE` (or a known model's name, fetched once as `--model NAME` fetches it) both
-sides load that one file instead: gptserve at the file's own bits, as `python -m server --model
+sides load that one file instead: gptserve at the file's own bits, as `gptserve serve --model
 FILE` serves it; prompts are random ids of its vocabulary. The table then also gives gptserve's
 batched rate over llama.cpp's single stream.
 
@@ -64,15 +64,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.kernels.paged_kv import cache_dtype  # noqa: E402
+from gptserve.model import GPT, load_checkpoint  # noqa: E402
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from gptserve.model.dtypes import DTYPES  # noqa: E402
+from gptserve.model.known_models import FetchError, resolve_model  # noqa: E402
 
 from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
 from bench.host import print_host  # noqa: E402
-from kernels.paged_kv import cache_dtype  # noqa: E402
-from model import GPT, load_checkpoint  # noqa: E402
-from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from model.dtypes import DTYPES  # noqa: E402
-from model.known_models import FetchError, resolve_model  # noqa: E402
 
 INSTALL_HINT = "pip install -e '.[bench]' (llama-cpp-python builds llama.cpp from source)"
 

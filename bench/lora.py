@@ -5,7 +5,7 @@
     python bench/lora.py --model PATH --rank 8 --rounds 5 --threads 1
     python bench/lora.py --random                          # a random Llama of SmolLM2-135M's shape
 
-The model loads as `python -m server` loads it (`load_for_inference`: a GGUF file at its own
+The model loads as `gptserve serve` loads it (`load_for_inference`: a GGUF file at its own
 bits, the CPU wing), gets 4 LoRA slots (`model.lora.batched.install_lora`, as `--lora` gives
 them) holding 4 random adapters of rank `--rank` (16) on q and v (`--targets qv`, PEFT's default
 for the Llama family) or on every projection (`--targets all`), in float32 (as PEFT computes
@@ -34,17 +34,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import load_for_inference, prepare_for_inference  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model import GPT, ModelConfig  # noqa: E402
+from gptserve.model.known_models import resolve_model  # noqa: E402
+from gptserve.model.lora.adapter import LoraAdapter, LoraPiece  # noqa: E402
+from gptserve.model.lora.batched import install_lora  # noqa: E402
+from gptserve.model.tokenizers import get_tokenizer  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import load_for_inference, prepare_for_inference  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
-from model.known_models import resolve_model  # noqa: E402
-from model.lora.adapter import LoraAdapter, LoraPiece  # noqa: E402
-from model.lora.batched import install_lora  # noqa: E402
-from model.tokenizers import get_tokenizer  # noqa: E402
 
 # SmolLM2-135M's shape, for --random
 SMOLLM2_135M = dict(
@@ -118,7 +119,7 @@ def time_case(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="as `python -m server --model` (default: its)")
+    p.add_argument("--model", default=None, help="as `gptserve serve --model` (default: its)")
     p.add_argument("--random", action="store_true", help="a random Llama of SmolLM2-135M's shape")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument(
@@ -128,7 +129,7 @@ def main() -> None:
         help="qv: q_proj and v_proj (PEFT's default for Llama); all: every projection",
     )
     p.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the adapters' weights and products (as `python -m server --lora-dtype`)")  # fmt: skip
+                   help="the adapters' weights and products (as `gptserve serve --lora-dtype`)")  # fmt: skip
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per case")
     p.add_argument("--prompt-len", type=int, default=32)

@@ -1,4 +1,4 @@
-"""Resident memory of the default start: `python -m server` on the default model, then chats.
+"""Resident memory of the default start: `gptserve serve` on the default model, then chats.
 
     python bench/memory.py [--chats 5] [--max-tokens 128]
 
@@ -22,12 +22,13 @@ import sys
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.model.known_models import DEFAULT_MODEL_NAME, fetch_known_model  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
 from bench.serve import free_port, start_server  # noqa: E402
 from bench.soak import rss_mib  # noqa: E402
-from model.known_models import DEFAULT_MODEL_NAME, fetch_known_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -42,9 +43,9 @@ QUESTIONS = [
 ]
 LLAMA_CHILD = """
 import json, sys
-sys.path.insert(0, sys.argv[4])
+sys.path.append(sys.argv[4])
 from bench.llamacpp import LlamaCpp
-from model.tokenizers import load_tokenizer
+from gptserve.model.tokenizers import load_tokenizer
 path, max_tokens, questions = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
@@ -69,7 +70,7 @@ def post(url: str, body: dict) -> dict:
 
 
 def server_side(path: Path, flags: list[str], questions: list[str], max_tokens: int) -> list[float]:
-    """VmRSS (MiB) of `python -m server --model PATH FLAGS` once healthy, then after each chat
+    """VmRSS (MiB) of `gptserve serve --model PATH FLAGS` once healthy, then after each chat
     (`--model` the default model's cached file: the default start's model and settings)."""
     port = free_port()
     proc = start_server(path, port, *flags)

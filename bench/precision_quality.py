@@ -3,7 +3,7 @@
     python bench/precision_quality.py                 # the bundled default model
     python bench/precision_quality.py --model DIR     # a checkpoint of ours or a GPT-2 directory
 
-Each format is loaded as `python -m server --dtype ... --quantize ...` loads it. The loss is the
+Each format is loaded as `gptserve serve --dtype ... --quantize ...` loads it. The loss is the
 mean cross-entropy, and "top-1 = fp32" the share of positions whose most likely next token is
 float32's, over --windows windows of the model's context spread evenly over the corpus's
 validation split (its last 10 %, split as training splits it). The greedy comparison takes
@@ -26,21 +26,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import prepare_for_inference  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from model import (  # noqa: E402
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import prepare_for_inference  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model import (  # noqa: E402
     GPT,
     SHAKESPEARE_DIR,  # noqa: E402
     ModelConfig,
     get_tokenizer,
     load_checkpoint,
 )
-from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from training.data import split_tokens, tokenize_cached  # noqa: E402
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from gptserve.training.data import split_tokens, tokenize_cached  # noqa: E402
+
+from bench.host import print_host  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FORMATS = {  # label -> (dtype, quantization)

@@ -2,7 +2,7 @@
 
     python bench/prefix.py [--conversations 8] [--turns 6] [--system-tokens 1024]
 
-8 conversations talk to `python -m server` at once, 6 turns each; every conversation opens with
+8 conversations talk to `gptserve serve` at once, 6 turns each; every conversation opens with
 the same ~1k-token system prompt (Shakespeare from data/), and each turn resends the whole
 conversation, as chat clients do. The server is started twice in this run, once with
 `--no-prefix-cache`, on a randomly initialised GPT-2 124M with a 2048-token context. Greedy
@@ -28,11 +28,12 @@ import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
+
+from gptserve.model import GPT, ModelConfig, get_tokenizer, save_checkpoint  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
 from bench.serve import free_port, start_server  # noqa: E402
-from model import GPT, ModelConfig, get_tokenizer, save_checkpoint  # noqa: E402
 
 CORPUS = REPO / "data" / "shakespeare.txt"
 

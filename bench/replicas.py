@@ -1,11 +1,11 @@
 """Ray Serve replicas: aggregate tok/s with 1 and 2 replicas, and what Ray costs against plain
-`python -m server`, on the same model and load.
+`gptserve serve`, on the same model and load.
 
     python bench/replicas.py [--model PATH] [--max-tokens 64] [--concurrency 16] [--rounds 3]
                              [--stream-interval 4]
 
 Needs the `ray` extra. Without --model a randomly initialised GPT-2 124M is saved to a temporary
-directory. Three servers run side by side: `python -m server` (the baseline, using every core),
+directory. Three servers run side by side: `gptserve serve` (the baseline, using every core),
 and one local Ray with two applications: `/one`, one replica that reserves every core, and
 `/two`, two replicas that reserve half each (Ray gives a replica as many torch threads as CPUs).
 Each round sends the same streaming load (--concurrency clients, --requests completions of
@@ -33,11 +33,12 @@ import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
+
+from gptserve.model import GPT, ModelConfig, save_checkpoint  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
 from bench.serve import free_port, start_server  # noqa: E402
-from model import GPT, ModelConfig, save_checkpoint  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -104,11 +105,10 @@ def start_ray(path: Path, port: int, cores: int, kv_cache_gb: float, stream_inte
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     import ray
+    from gptserve.server.ray.deployment import ScaleOptions, deployment
+    from gptserve.server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from gptserve.server.settings import Settings
     from ray import serve
-
-    from server.ray.deployment import ScaleOptions, deployment
-    from server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-    from server.settings import Settings
 
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     # both applications at once: 2 x `cores` CPUs declared, one of them busy at a time
@@ -155,12 +155,12 @@ def main() -> None:
     try:
         start_ray(path, ray_port, cores, args.kv_cache_gb, args.stream_interval)
         urls = {
-            "python -m server": f"http://127.0.0.1:{plain_port}/",
+            "gptserve serve": f"http://127.0.0.1:{plain_port}/",
             "Ray Serve, 1 replica": f"http://127.0.0.1:{ray_port}/one/",
             "Ray Serve, 2 replicas": f"http://127.0.0.1:{ray_port}/two/",
         }
         threads = {  # replicas x torch threads each
-            "python -m server": f"1 x {torch.get_num_threads()}",
+            "gptserve serve": f"1 x {torch.get_num_threads()}",
             "Ray Serve, 1 replica": f"1 x {cores}",
             "Ray Serve, 2 replicas": f"2 x {max(cores // 2, 1)}",
         }
@@ -200,7 +200,7 @@ def main() -> None:
         ttft = 1000 * statistics.median(load.ttft) if load.ttft else float("nan")
         print(f"{name:<24} {threads[name]:>18} {load.rate:>8.1f} {ttft:>7.0f}ms {errors[name]:>6}")
     plain, one, two = (best[name].rate for name in urls)
-    print(f"\nRay overhead: 1 replica / python -m server = {one / plain:.3f} (goal >= 0.90)")
+    print(f"\nRay overhead: 1 replica / gptserve serve = {one / plain:.3f} (goal >= 0.90)")
     print(f"2 replicas / 1 replica = {two / one:.2f}")
 
 

@@ -1,4 +1,4 @@
-"""Serving benchmark: streaming load at several concurrencies against `python -m server`, and the
+"""Serving benchmark: streaming load at several concurrencies against `gptserve serve`, and the
 server's tok/s at concurrency 1 against the Engine run offline in this process on the same model.
 
     python bench/serve.py [--model PATH] [--max-tokens 32] [--concurrency 1 8 32]
@@ -27,14 +27,15 @@ import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
+
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import load_for_inference  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model import GPT, ModelConfig, get_tokenizer, save_checkpoint  # noqa: E402
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import load_for_inference  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from model import GPT, ModelConfig, get_tokenizer, save_checkpoint  # noqa: E402
-from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -65,7 +66,7 @@ class Offline:
     server run."""
 
     def __init__(self, path: Path, max_tokens: int) -> None:
-        loaded = load_for_inference(path, device="cpu")  # as `python -m server` loads it
+        loaded = load_for_inference(path, device="cpu")  # as `gptserve serve` loads it
         self.tok = loaded.tokenizer
         self.engine = Engine(loaded.model, self.tok, EngineConfig(max_num_seqs=32))
         self.ids = self.tok.encode(PROMPT)
@@ -130,8 +131,8 @@ async def run_level(url: str, level: Level, max_tokens: int) -> None:
 
 
 def start_server(path: Path, port: int, *flags: str) -> subprocess.Popen:
-    """`python -m server` on 127.0.0.1:port with more flags; returns once it serves."""
-    cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port),
+    """`gptserve serve` on 127.0.0.1:port with more flags; returns once it serves."""
+    cmd = [sys.executable, "-m", "gptserve.server", "--model", str(path), "--port", str(port),
            "--max-num-seqs", "32", "--log-level", "warning", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO)
     deadline = time.monotonic() + 180
@@ -170,7 +171,7 @@ def main() -> None:
         torch.manual_seed(0)
         save_checkpoint(GPT(ModelConfig()), path)
     levels = [Level(c, max(4, c if c >= 8 else 4 * c)) for c in args.concurrency]
-    retain_freed_memory()  # as `python -m server` does
+    retain_freed_memory()  # as `gptserve serve` does
     offline = Offline(path, args.max_tokens)
     port = free_port()
     proc = start_server(path, port)

@@ -1,4 +1,4 @@
-"""Soak test: many concurrent streaming clients against `python -m server` for a fixed time.
+"""Soak test: many concurrent streaming clients against `gptserve serve` for a fixed time.
 
     python bench/soak.py [--duration 60] [--clients 64] [--model PATH]
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 
 from bench.host import print_host  # noqa: E402
 
@@ -72,8 +72,7 @@ def rss_mib(pid: int) -> float:
 
 def make_model(directory: Path) -> Path:
     import torch
-
-    from model import GPT, ModelConfig, save_checkpoint
+    from gptserve.model import GPT, ModelConfig, save_checkpoint
 
     torch.manual_seed(0)
     path = directory / "soak-gpt"
@@ -311,9 +310,9 @@ def main() -> int:
         model = Path(args.model) if args.model else make_model(Path(tmp))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        log_path = Path(args.log) if args.log else Path(tmp) / "server.log"
+        log_path = Path(args.log) if args.log else Path(tmp) / "gptserve.server.log"
         cmd = [
-            sys.executable, "-m", "server", "--model", str(model), "--port", str(port),
+            sys.executable, "-m", "gptserve.server", "--model", str(model), "--port", str(port),
             "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
         ]  # fmt: skip
         with open(log_path, "w") as log:

@@ -4,7 +4,7 @@
     python bench/step_profile.py --model smollm2-135m-instruct --streams 16 --threads 1
     python bench/step_profile.py --model PATH --top 25
 
-The model loads as `python -m server --model ...` loads it (`load_for_inference`); `--streams`
+The model loads as `gptserve serve --model ...` loads it (`load_for_inference`); `--streams`
 requests of random prompt ids are prefilled, a few decode steps warm up, then `--steps` decode
 steps are timed, then as many run under torch.profiler. The table gives each PyTorch operation's own time per step
 (`self`: its kernel, without the operations it calls) and its calls per step; the last rows say
@@ -25,14 +25,15 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import load_for_inference  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model.dtypes import DTYPES  # noqa: E402
+from gptserve.model.known_models import resolve_model  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.loader import load_for_inference  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from model.dtypes import DTYPES  # noqa: E402
-from model.known_models import resolve_model  # noqa: E402
 
 
 def decode_steps(engine: Engine, steps: int) -> float:
@@ -66,12 +67,12 @@ def forward_share(engine: Engine, model, steps: int) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="as `python -m server --model` (default: its)")
+    p.add_argument("--model", default=None, help="as `gptserve serve --model` (default: its)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="none")
     p.add_argument("--streams", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *DTYPES),
-                   help="as `python -m server --kv-cache-dtype`")  # fmt: skip
+                   help="as `gptserve serve --kv-cache-dtype`")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

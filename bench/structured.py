@@ -41,12 +41,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # run from anywhere in the tree
 
-import engine.engine as engine_module  # noqa: E402
-from bench.host import print_host  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.grammar import (  # noqa: E402
+import gptserve.engine.engine as engine_module  # noqa: E402
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.grammar import (  # noqa: E402
     POOL_THREADS,
     Constraint,
     allocate_bitmask,
@@ -56,9 +55,11 @@ from engine.grammar import (  # noqa: E402
     fill_bitmask,
     grammar_vocab,
 )
-from engine.loader import prepare_for_inference  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from model import GPT, ModelConfig, get_tokenizer  # noqa: E402
+from gptserve.engine.loader import prepare_for_inference  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.model import GPT, ModelConfig, get_tokenizer  # noqa: E402
+
+from bench.host import print_host  # noqa: E402
 
 ORDER_SCHEMA = {
     "type": "object",

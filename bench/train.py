@@ -28,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from gptserve.model import GPT, ModelConfig  # noqa: E402
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
+from gptserve.training.step import LossModule, make_optimizer, train_step  # noqa: E402
 
 from bench.host import print_host  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
-from model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
-from training.step import LossModule, make_optimizer, train_step  # noqa: E402
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # bf16 dense
 

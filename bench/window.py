@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from kernels.cpu.native import native_ops  # noqa: E402
-from kernels.paged_kv import KVPools  # noqa: E402
-from model import GPT, ModelConfig, get_tokenizer  # noqa: E402
+from gptserve.engine.block_manager import BlockManager  # noqa: E402
+from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.sampler import SamplingParams  # noqa: E402
+from gptserve.kernels.cpu.native import native_ops  # noqa: E402
+from gptserve.kernels.paged_kv import KVPools  # noqa: E402
+from gptserve.model import GPT, ModelConfig, get_tokenizer  # noqa: E402
 
 BS = 16
 

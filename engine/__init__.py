@@ -9,11 +9,11 @@ for speculative guesses from `proposers.py`) and turns the tokens into events on
 `Sequence`. `async_engine.py` drives it from a thread for the server;
 `loader.py` builds a servable model from a checkpoint; `limits.py` admits a request (every limit
 in one call, `RequestLimits.admit`, made once by the server or by `Engine.add_request`; a refusal
-is one `RequestError` from `errors.py`); `python -m engine` generates offline.
+is one `RequestError` from `errors.py`); `gptserve generate` generates offline.
 """
 
-from engine.engine import Engine, EngineConfig
-from engine.errors import RequestError
-from engine.sampler import SamplingParams
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.errors import RequestError
+from gptserve.engine.sampler import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "RequestError", "SamplingParams"]

@@ -1,7 +1,7 @@
-"""`python -m engine "prompt"`: offline generation through the engine (see engine/cli.py)."""
+"""`python -m gptserve.engine "prompt"`: the same as `gptserve generate` (see engine/cli.py)."""
 
 import sys
 
-from engine.cli import main
+from gptserve.engine.cli import main
 
 sys.exit(main())

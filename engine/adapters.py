@@ -15,12 +15,12 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import RequestError
-from model.config import ModelConfig
-from model.lora.adapter import LoraAdapter
-from model.lora.batched import LoraBank, LoraRankError, LoraShapeError
-from model.lora.peft_format import AdapterError as PeftFormatError
-from model.lora.peft_format import BaseMismatchError, read_peft
+from gptserve.engine.errors import RequestError
+from gptserve.model.config import ModelConfig
+from gptserve.model.lora.adapter import LoraAdapter
+from gptserve.model.lora.batched import LoraBank, LoraRankError, LoraShapeError
+from gptserve.model.lora.peft_format import AdapterError as PeftFormatError
+from gptserve.model.lora.peft_format import BaseMismatchError, read_peft
 
 # the kinds of refusal (`AdapterError.code`)
 NOT_FOUND = "lora_not_found"

@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from engine.engine import Engine
-from engine.limits import EngineLimits
-from engine.sampler import SamplingParams
-from engine.sequence import SEQUENCE_ERROR, TokenEvent
+from gptserve.engine.engine import Engine
+from gptserve.engine.limits import EngineLimits
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sequence import SEQUENCE_ERROR, TokenEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,11 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from engine.block_pool import BlockAllocator, OutOfBlocks
-from engine.prefix_index import PrefixIndex, Salt, salt_root
-from kernels.metadata import AttentionMetadata
-from kernels.window import skipped_blocks
+from gptserve.engine.block_pool import BlockAllocator, OutOfBlocks
+from gptserve.engine.prefix_index import PrefixIndex, Salt, salt_root
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.window import skipped_blocks
 
 __all__ = ["RELEASED", "BlockAllocator", "BlockManager", "OutOfBlocks", "StepBlocks"]
 

@@ -1,7 +1,7 @@
 """Offline generation: stream a completion for a prompt to the terminal through the Engine.
 
-python -m engine --model PATH "To be, or not to be"
-python -m engine --model BASE --lora ADAPTER_DIR "To be, or not to be"   # a PEFT LoRA adapter
+gptserve generate --model PATH "To be, or not to be"
+gptserve generate --model BASE --lora ADAPTER_DIR "To be, or not to be"   # a PEFT LoRA adapter
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import os
 import sys
 from pathlib import Path
 
-from engine.adapters import read_adapter
-from engine.engine import Engine, EngineConfig
-from engine.errors import RequestError
-from engine.loader import ModelLoadError, load_for_inference
-from engine.sampler import SamplingParams
-from model import GPT
-from model.dtypes import DTYPES
-from model.known_models import FetchError, resolve_model
-from model.lora.adapter import LoraAdapter
-from model.lora.batched import LoraBank, install_lora
-from model.quantize import QUANTIZATIONS
+from gptserve.engine.adapters import read_adapter
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.errors import RequestError
+from gptserve.engine.loader import ModelLoadError, load_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT
+from gptserve.model.dtypes import DTYPES
+from gptserve.model.known_models import FetchError, resolve_model
+from gptserve.model.lora.adapter import LoraAdapter
+from gptserve.model.lora.batched import LoraBank, install_lora
+from gptserve.model.quantize import QUANTIZATIONS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gptserve generate", description=__doc__.split("\n")[0])
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument(
         "--model", default=None,
@@ -49,11 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument(
         "--quantize", default="none", choices=QUANTIZATIONS,
-        help="int8: int8 layer matrices and head (see python -m server)",
+        help="int8: int8 layer matrices and head (see gptserve serve)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", *sorted(DTYPES)),
-        help="the KV cache's dtype; auto: the model's (see python -m server)",
+        help="the KV cache's dtype; auto: the model's (see gptserve serve)",
     )  # fmt: skip
     parser.add_argument(
         "--lora", default=None, metavar="DIR",

@@ -18,23 +18,33 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.adapters import NOT_FOUND, AdapterError, AdapterSlots, LoadedAdapter
-from engine.block_manager import BlockManager
-from engine.errors import RequestError
-from engine.grammar import ConstraintViolation, allocate_bitmask, bitmask_to_bool, fill_bitmask
-from engine.limits import EngineLimits, RequestLimits
-from engine.proposers import make_speculator
-from engine.runner import ModelRunner
-from engine.sampler import SampleOutput, SampleRow, SamplingParams, prompt_logprobs, sample
-from engine.scheduler import Scheduler
-from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, Sequence, TokenEvent, TokenLogprob
-from engine.step_plan import ScheduledSeq, StepKind, StepPlan
-from engine.verify import verify
-from kernels.paged_kv import KVPools, cache_dtype
-from model.gpt import GPT
-from model.lora.batched import LoraBank
-from model.tokenizers import Tokenizer
+from gptserve.engine.adapters import NOT_FOUND, AdapterError, AdapterSlots, LoadedAdapter
+from gptserve.engine.block_manager import BlockManager
+from gptserve.engine.errors import RequestError
+from gptserve.engine.grammar import (
+    ConstraintViolation,
+    allocate_bitmask,
+    bitmask_to_bool,
+    fill_bitmask,
+)
+from gptserve.engine.limits import EngineLimits, RequestLimits
+from gptserve.engine.proposers import make_speculator
+from gptserve.engine.runner import ModelRunner
+from gptserve.engine.sampler import SampleOutput, SampleRow, SamplingParams, prompt_logprobs, sample
+from gptserve.engine.scheduler import Scheduler
+from gptserve.engine.sequence import (
+    GRAMMAR_ERROR,
+    SEQUENCE_ERROR,
+    Sequence,
+    TokenEvent,
+    TokenLogprob,
+)
+from gptserve.engine.step_plan import ScheduledSeq, StepKind, StepPlan
+from gptserve.engine.verify import verify
+from gptserve.kernels.paged_kv import KVPools, cache_dtype
+from gptserve.model.gpt import GPT
+from gptserve.model.lora.batched import LoraBank
+from gptserve.model.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 # what the requests of a failed step are told; the exception itself goes to the log only, since

@@ -45,8 +45,7 @@ from typing import Any, Literal
 import llguidance
 import numpy as np
 import torch
-
-from model.tokenizers import Tokenizer
+from gptserve.model.tokenizers import Tokenizer
 
 ConstraintKind = Literal["json", "regex", "choice", "lark"]
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "lark")

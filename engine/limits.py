@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import RequestError
-from engine.sampler import MAX_LOGPROBS, SamplingParams
+from gptserve.engine.errors import RequestError
+from gptserve.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "AdmittedRequest",

@@ -1,6 +1,6 @@
 """From a checkpoint directory to a model the engine can serve: the one loading pipeline.
 
-The server (`server.runtime`), the offline CLI (`python -m engine`), each Ray replica and the
+The server (`server.runtime`), the offline CLI (`gptserve generate`), each Ray replica and the
 benchmarks all load through `load_for_inference`, which runs these steps in this order:
 
 1. device and dtype: "auto" picks CUDA when there is one, bfloat16 there and float32 on a CPU;
@@ -23,22 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from model.checkpoint import load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.cpu.malloc_tuning import release_freed_memory, retain_freed_memory
-from model.cpu.onednn_linear import keep_rows_alike
-from model.dtypes import DTYPES
-from model.gpt import GPT
-from model.int4_linear import int4_supported
-from model.quantize import (
+from gptserve.model.checkpoint import load_checkpoint
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.cpu.malloc_tuning import release_freed_memory, retain_freed_memory
+from gptserve.model.cpu.onednn_linear import keep_rows_alike
+from gptserve.model.dtypes import DTYPES
+from gptserve.model.gpt import GPT
+from gptserve.model.int4_linear import int4_supported
+from gptserve.model.quantize import (
     QuantizeError,
     check_quantization,
     keep_int8_kernel,
     quantize,
     weight_bytes,
 )
-from model.tokenizers import Tokenizer, load_tokenizer
+from gptserve.model.tokenizers import Tokenizer, load_tokenizer
 
 DEVICES = ("auto", "cpu", "cuda")
 

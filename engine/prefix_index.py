@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Sequence
 from functools import lru_cache
 
-from engine.block_pool import BlockAllocator
+from gptserve.engine.block_pool import BlockAllocator
 
 # a sequence's cache salt (None: unsalted), or (salt, adapter) for a sequence of a LoRA adapter
 # (`engine.adapters`: the adapter's load, a number never reused)

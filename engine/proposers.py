@@ -23,12 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.block_manager import BlockManager, OutOfBlocks
-from engine.sequence import Sequence
-from engine.verify import propose_ngram
-from kernels.paged_kv import KVPools
-from model.gpt import GPT
+from gptserve.engine.block_manager import BlockManager, OutOfBlocks
+from gptserve.engine.sequence import Sequence
+from gptserve.engine.verify import propose_ngram
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.model.gpt import GPT
 
 
 class NgramProposer:

@@ -14,12 +14,11 @@ them.
 from __future__ import annotations
 
 import torch
-
-from engine.block_manager import StepBlocks
-from engine.step_plan import StepPlan
-from kernels.paged_kv import KVPools
-from model.gpt import GPT
-from model.lora.batched import BASE_SLOT, LoraBank
+from gptserve.engine.block_manager import StepBlocks
+from gptserve.engine.step_plan import StepPlan
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.model.gpt import GPT
+from gptserve.model.lora.batched import BASE_SLOT, LoraBank
 
 
 class ModelRunner:

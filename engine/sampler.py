@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.errors import RequestError
-from engine.pooling import PoolingParams
-from kernels.cpu.native import logit_stats_op
+from gptserve.engine.errors import RequestError
+from gptserve.engine.pooling import PoolingParams
+from gptserve.kernels.cpu.native import logit_stats_op
 
 MAX_LOGPROBS = 20
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence
-from engine.step_plan import StepPlan
+from gptserve.engine.block_manager import BlockManager
+from gptserve.engine.sequence import Sequence
+from gptserve.engine.step_plan import StepPlan
 
 # (sequence, new tokens, guesses it verifies) in packed order: a plan before it is classified
 _Work = list[tuple[Sequence, int, list[int]]]

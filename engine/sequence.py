@@ -14,11 +14,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.prefix_index import Salt
-from engine.sampler import SamplingParams
-from model.lora.batched import BASE_SLOT
-from model.tokenizers import Tokenizer
+from gptserve.engine.prefix_index import Salt
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model.lora.batched import BASE_SLOT
+from gptserve.model.tokenizers import Tokenizer
 
 
 @dataclass

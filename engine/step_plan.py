@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from gptserve.engine.sequence import Sequence
 
 
 class StepKind(enum.Enum):

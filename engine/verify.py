@@ -24,8 +24,7 @@ from array import array
 from dataclasses import dataclass
 
 import torch
-
-from engine.sampler import SampleRow, apply_penalties, draw_distribution, sample
+from gptserve.engine.sampler import SampleRow, apply_penalties, draw_distribution, sample
 
 
 def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:

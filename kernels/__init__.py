@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels.backends import (
+from gptserve.kernels.backends import (
     AttentionBackend,
     CpuPagedBackend,
     KVSpec,
@@ -20,11 +19,11 @@ from kernels.backends import (
     TritonBackend,
     select_attention_backend,
 )
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata, AttentionPlan
-from kernels.reference import attention_reference, paged_attention_reference
-from kernels.triton import available as triton_available
-from kernels.window import check_window, trim_to_window
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata, AttentionPlan
+from gptserve.kernels.reference import attention_reference, paged_attention_reference
+from gptserve.kernels.triton import available as triton_available
+from gptserve.kernels.window import check_window, trim_to_window
 
 __all__ = [
     "AttentionBackend",
@@ -54,7 +53,7 @@ def flash_attention(
     check_window(window, causal)
     gqa = kv_group(q.shape[-3], k.shape[-3]) > 1
     if q.is_cuda and triton_available():
-        from kernels.triton.flash import triton_flash_attention
+        from gptserve.kernels.triton.flash import triton_flash_attention
 
         return triton_flash_attention(
             q, k, v, causal=causal, sm_scale=sm_scale, enable_gqa=gqa, window=window

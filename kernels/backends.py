@@ -38,13 +38,17 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
-
-from kernels.cpu.cascade import CascadePlan, plan_cascade, prefill_attention_cpu
-from kernels.cpu.decode import UPCAST_ELEMENTS, DecodePlan, decode_attention_cpu, plan_decode
-from kernels.cpu.native import native_ops, paged_decode_op
-from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
-from kernels.sdpa_paged import GatherPlan, paged_attention_sdpa, plan_gather
-from kernels.triton import available as triton_available
+from gptserve.kernels.cpu.cascade import CascadePlan, plan_cascade, prefill_attention_cpu
+from gptserve.kernels.cpu.decode import (
+    UPCAST_ELEMENTS,
+    DecodePlan,
+    decode_attention_cpu,
+    plan_decode,
+)
+from gptserve.kernels.cpu.native import native_ops, paged_decode_op
+from gptserve.kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
+from gptserve.kernels.sdpa_paged import GatherPlan, paged_attention_sdpa, plan_gather
+from gptserve.kernels.triton import available as triton_available
 
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
@@ -211,7 +215,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         return _head_major(spec)
 
     def plan(self, meta: AttentionMetadata, spec: KVSpec, window: int | None = None) -> TritonPlan:
-        from kernels.triton.paged import default_split_size
+        from gptserve.kernels.triton.paged import default_split_size
 
         n_head = spec.n_kv_head * spec.group  # a program per query head
         split = default_split_size(meta, n_head, spec.block_size, spec.device)
@@ -221,7 +225,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: TritonPlan,
         sm_scale: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        from kernels.triton import paged
+        from gptserve.kernels.triton import paged
 
         return paged.triton_paged_attention(
             q, k_pool, v_pool, plan.meta, sm_scale, split_size=plan.split_size, window=plan.window

@@ -20,10 +20,14 @@ layer reads a block before its window.
 from __future__ import annotations
 
 import torch
-
-from kernels.backends import NARROWER_POOLS, AttentionBackend, KVSpec, select_attention_backend
-from kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
-from kernels.window import check_window, trim_to_window
+from gptserve.kernels.backends import (
+    NARROWER_POOLS,
+    AttentionBackend,
+    KVSpec,
+    select_attention_backend,
+)
+from gptserve.kernels.metadata import AttentionMetadata, AttentionPlan, KVWrite
+from gptserve.kernels.window import check_window, trim_to_window
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # cos, signed sin (N, 1, D); None: no rotary
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
-
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata
-from kernels.window import check_window
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.window import check_window
 
 
 def attention_reference(

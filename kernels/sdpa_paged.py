@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata
 
 GROUP_BYTES = 4 << 20  # gathered K + V of one group of sequences (fits in L2/L3 caches)
 

@@ -18,8 +18,7 @@ stale: only the trimmed tables are safe to read.
 from __future__ import annotations
 
 import torch
-
-from kernels.metadata import AttentionMetadata
+from gptserve.kernels.metadata import AttentionMetadata
 
 
 def check_window(window: int | None, causal: bool = True) -> None:

@@ -6,10 +6,10 @@
 
 from pathlib import Path
 
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.config import ConfigError, ModelConfig
-from model.gpt import GPT
-from model.tokenizers import Tokenizer, get_tokenizer
+from gptserve.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from gptserve.model.config import ConfigError, ModelConfig
+from gptserve.model.gpt import GPT
+from gptserve.model.tokenizers import Tokenizer, get_tokenizer
 
 # the bundled model `train.py` made (`--model shakespeare`); the default one is fetched by name
 # (model.known_models), and this one serves when that cannot be fetched

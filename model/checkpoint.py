@@ -16,15 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gptserve.model import hf_gemma, hf_llama
+from gptserve.model.config import ConfigError, ModelConfig
+from gptserve.model.gpt import GPT
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model import hf_gemma, hf_llama
-from model.config import ConfigError, ModelConfig
-from model.gpt import GPT
-
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = "gptserve.model.safetensors"
 HF_BIN_FILE = "pytorch_model.bin"
 _HF_TRANSPOSED = (
     "attn.c_attn.weight",
@@ -156,7 +155,7 @@ def _load_gguf(
     path: Path, device: torch.device | str, dtype: torch.dtype | None, low_bit: bool
 ) -> GPT:
     """A GGUF file's weights dequantized to float32 (or dtype), or at their own bits."""
-    from model.gguf.checkpoint import dequantized_state, read_gguf
+    from gptserve.model.gguf.checkpoint import dequantized_state, read_gguf
 
     if low_bit and torch.device(device).type != "cpu":
         raise CheckpointError(
@@ -164,7 +163,7 @@ def _load_gguf(
             "(dequantize it to float there: --quantize dequantize)"
         )
     if low_bit:  # imported before the file's metadata is parsed: see the next comment
-        from model.gguf.quantized import build_low_bit_gpt
+        from gptserve.model.gguf.quantized import build_low_bit_gpt
     try:
         gguf_model = read_gguf(path)
     except ConfigError as exc:

@@ -17,12 +17,16 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from kernels import flash_attention
-from kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
-from model.config import ModelConfig
-from model.rmsnorm import GemmaRMSNorm, RMSNorm
-from model.rotary import apply_rotary, rotary_attention_factor, rotary_cos_sin, rotary_inv_freq
+from gptserve.kernels import flash_attention
+from gptserve.kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
+from gptserve.model.config import ModelConfig
+from gptserve.model.rmsnorm import GemmaRMSNorm, RMSNorm
+from gptserve.model.rotary import (
+    apply_rotary,
+    rotary_attention_factor,
+    rotary_cos_sin,
+    rotary_inv_freq,
+)
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:

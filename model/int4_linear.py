@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-
-from kernels.cpu.native import native_ops
-from model.gguf.blocks import GROUP, Int4Groups
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.model.gguf.blocks import GROUP, Int4Groups
 
 ROW_MULTIPLE = 16  # output channels PyTorch's packing takes at a time
 TILE = 32  # output columns of a tile of the compiled kernel's layout

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from model import SHAKESPEARE_DIR
+from gptserve.model import SHAKESPEARE_DIR
 
 
 class FetchError(RuntimeError):

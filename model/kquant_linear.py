@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from kernels.cpu.native import native_ops
-from kernels.cpu.products import product_nt
-from model.gguf.kquant_blocks import KIND_CODES, dequantize, row_bytes
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.kernels.cpu.products import product_nt
+from gptserve.model.gguf.kquant_blocks import KIND_CODES, dequantize, row_bytes
 
 # from this many rows on, decode the weights to float32 and use a float32 product
 MANY_ROWS = 16

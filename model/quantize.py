@@ -42,13 +42,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from kernels.cpu.native import native_ops
-from model.activations import KERNEL_CODES, activate
-from model.cpu.isa import fast_bfloat16_products
-from model.gpt import GPT
-from model.int4_linear import Int4Linear
-from model.kquant_linear import KQuantLinear
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.model.activations import KERNEL_CODES, activate
+from gptserve.model.cpu.isa import fast_bfloat16_products
+from gptserve.model.gpt import GPT
+from gptserve.model.int4_linear import Int4Linear
+from gptserve.model.kquant_linear import KQuantLinear
 
 QUANTIZATIONS = ("none", "int8", "dequantize")
 K_MULTIPLE = 16  # input channels the CPU kernel reads at a time

@@ -1,4 +1,4 @@
-"""The FastAPI application: `create_app(settings)` builds one; `python -m server` runs one.
+"""The FastAPI application: `create_app(settings)` builds one; `gptserve serve` runs one.
 
 Besides the OpenAI routes (server.openai_api, server.embeddings_api, server.responses.api) it
 serves /health, /metrics, /v1/models, /tokenize, /detokenize and the playground (server/static)
@@ -18,15 +18,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from server.embeddings_api import router as embeddings_router
-from server.errors import APIError, bad_request, install_error_handlers
-from server.hosts import host_allowed
-from server.lora_api import router as lora_router
-from server.metrics import Metrics
-from server.openai_api import router as openai_router
-from server.protocol import (
+from gptserve.server.embeddings_api import router as embeddings_router
+from gptserve.server.errors import APIError, bad_request, install_error_handlers
+from gptserve.server.hosts import host_allowed
+from gptserve.server.lora_api import router as lora_router
+from gptserve.server.metrics import Metrics
+from gptserve.server.openai_api import router as openai_router
+from gptserve.server.protocol import (
     ERROR_RESPONSES,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -35,12 +33,13 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.responses.api import router as responses_router
-from server.responses.store import ResponseStore
-from server.runtime import LoadedModel, ServerState, load_model
-from server.settings import Settings
-from server.streams import ClientGone
-from server.tenancy import TENANT_SCOPE_KEY, key_tenant
+from gptserve.server.responses.api import router as responses_router
+from gptserve.server.responses.store import ResponseStore
+from gptserve.server.runtime import LoadedModel, ServerState, load_model
+from gptserve.server.settings import Settings
+from gptserve.server.streams import ClientGone
+from gptserve.server.tenancy import TENANT_SCOPE_KEY, key_tenant
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")

@@ -10,14 +10,13 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-
-from engine.async_engine import EngineDeadError
-from engine.sequence import SEQUENCE_ERROR
-from server.errors import APIError
-from server.openai_api import check_queue, engine_stopped
-from server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
-from server.runtime import ServerState
-from server.streams import ClientGone, RequestTimeout, merged_events
+from gptserve.engine.async_engine import EngineDeadError
+from gptserve.engine.sequence import SEQUENCE_ERROR
+from gptserve.server.errors import APIError
+from gptserve.server.openai_api import check_queue, engine_stopped
+from gptserve.server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
+from gptserve.server.runtime import ServerState
+from gptserve.server.streams import ClientGone, RequestTimeout, merged_events
 
 router = APIRouter()
 ENDPOINT = "embeddings"  # the endpoint label of gptserve_requests

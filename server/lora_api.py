@@ -17,14 +17,17 @@ from contextlib import contextmanager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from gptserve.engine.adapters import NOT_FOUND, AdapterError, read_adapter
+from gptserve.engine.async_engine import EngineDeadError
+from gptserve.server.errors import APIError
+from gptserve.server.openai_api import engine_stopped
+from gptserve.server.protocol import (
+    ERROR_RESPONSES,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
+from gptserve.server.runtime import ServerState
 from starlette.concurrency import run_in_threadpool
-
-from engine.adapters import NOT_FOUND, AdapterError, read_adapter
-from engine.async_engine import EngineDeadError
-from server.errors import APIError
-from server.openai_api import engine_stopped
-from server.protocol import ERROR_RESPONSES, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from server.runtime import ServerState
 
 router = APIRouter()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gptserve.engine.async_engine import AsyncEngine, StepStats
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -10,8 +11,6 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-
-from engine.async_engine import AsyncEngine, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)

@@ -12,15 +12,13 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
-
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
-from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, TokenEvent, TokenLogprob
-from server.chat.reasoning import ReasoningSplitter
-from server.chat.reasoning import split as split_reasoning
-from server.chat.tools.parser import ToolCallParser
-from server.errors import APIError, error_body
-from server.protocol import (
+from gptserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineUnhealthyError
+from gptserve.engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR, TokenEvent, TokenLogprob
+from gptserve.server.chat.reasoning import ReasoningSplitter
+from gptserve.server.chat.reasoning import split as split_reasoning
+from gptserve.server.chat.tools.parser import ToolCallParser
+from gptserve.server.errors import APIError, error_body
+from gptserve.server.protocol import (
     COMPLETION_ERRORS,
     SSE_RESPONSE,
     ChatCompletionRequest,
@@ -28,10 +26,11 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.runtime import ServerState
-from server.streams import Choice, ChoiceTracker, ClientGone, RequestTimeout, merged_events
-from server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
-from server.validation import EngineInputs, Validator
+from gptserve.server.runtime import ServerState
+from gptserve.server.streams import Choice, ChoiceTracker, ClientGone, RequestTimeout, merged_events
+from gptserve.server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
+from gptserve.server.validation import EngineInputs, Validator
+from starlette.concurrency import run_in_threadpool
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from model.tokenizers import Tokenizer
-from server.errors import bad_request
-from server.protocol import SamplingFields
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.server.errors import bad_request
+from gptserve.server.protocol import SamplingFields
 
 log = logging.getLogger(__name__)
 

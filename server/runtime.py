@@ -16,25 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from engine.adapters import AdapterError, read_adapter
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine, EngineConfig
-from engine.loader import ModelLoadError, check_load, load_for_inference
-from engine.pooling import EmbeddingSpec
-from kernels.paged_kv import cache_dtype
-from model import GPT, SHAKESPEARE_DIR
-from model.cpu.malloc_tuning import release_freed_memory
-from model.dtypes import DTYPES
-from model.known_models import FetchError, resolve_model
-from model.lora.adapter import LoraAdapter
-from model.lora.batched import LoraBank, LoraRankError, LoraShapeError, install_lora
-from model.tokenizers import Tokenizer
-from server.chat.templates import ChatFormat, load_chat_format
-from server.errors import APIError
-from server.metrics import Metrics
-from server.settings import DEFAULT_KV_CONTEXTS, DEFAULT_KV_TOKENS_PER_SEQ, Settings
-from server.validation import Validator
+from gptserve.engine.adapters import AdapterError, read_adapter
+from gptserve.engine.async_engine import AsyncEngine
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import ModelLoadError, check_load, load_for_inference
+from gptserve.engine.pooling import EmbeddingSpec
+from gptserve.kernels.paged_kv import cache_dtype
+from gptserve.model import GPT, SHAKESPEARE_DIR
+from gptserve.model.cpu.malloc_tuning import release_freed_memory
+from gptserve.model.dtypes import DTYPES
+from gptserve.model.known_models import FetchError, resolve_model
+from gptserve.model.lora.adapter import LoraAdapter
+from gptserve.model.lora.batched import LoraBank, LoraRankError, LoraShapeError, install_lora
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.server.chat.templates import ChatFormat, load_chat_format
+from gptserve.server.errors import APIError
+from gptserve.server.metrics import Metrics
+from gptserve.server.settings import DEFAULT_KV_CONTEXTS, DEFAULT_KV_TOKENS_PER_SEQ, Settings
+from gptserve.server.validation import Validator
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +130,9 @@ class ServerState:
     """Readiness and the engine of one app; the app's handlers reach everything through it.
 
     `loader` turns the settings into a loaded model (tests pass a slow one); `on_load_error` is
-    called with the message when loading fails (`python -m server` then exits), and
+    called with the message when loading fails (`gptserve serve` then exits), and
     `on_engine_failure` with the reason when the engine turns unhealthy or dies (with
-    --exit-on-engine-failure `python -m server` exits then too).
+    --exit-on-engine-failure `gptserve serve` exits then too).
     """
 
     def __init__(

@@ -14,11 +14,11 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.pooling import POOLING_MODES
-from model import SHAKESPEARE_DIR
-from model.known_models import cached_path, known_name
-from server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
-from server.chat.tools.formats import PARSER_NAMES
+from gptserve.engine.pooling import POOLING_MODES
+from gptserve.model import SHAKESPEARE_DIR
+from gptserve.model.known_models import cached_path, known_name
+from gptserve.server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
+from gptserve.server.chat.tools.formats import PARSER_NAMES
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
 GROUPS = {
@@ -116,7 +116,7 @@ class Settings:
     shutdown_grace: float = flag(30.0, "seconds in-flight requests get after SIGTERM", low=0)
     stream_interval: int = flag(
         1, "a streamed completion's tokens per SSE chunk after its first token (which is sent "
-        "at once): more means fewer, larger chunks and less work per token (server.ray.cli "
+        "at once): more means fewer, larger chunks and less work per token (gptserve.server.ray.cli "
         "defaults to 4: there each chunk crosses Ray Serve's proxy)", low=1,
     )  # fmt: skip
     exit_on_engine_failure: bool = flag(
@@ -335,7 +335,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     """The command line, made from the Settings fields."""
     parser = argparse.ArgumentParser(
-        prog="python -m server",
+        prog="gptserve serve",
         description="Serve a GPT-2 or Llama-family model (SmolLM2-135M-Instruct by default; a "
         "train.py directory, a Hugging Face directory or a GGUF file) over an OpenAI-compatible "
         "API.",

@@ -12,12 +12,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-
-from engine.async_engine import AsyncEngine
-from engine.sampler import SamplingParams
-from engine.sequence import TokenEvent, TokenLogprob
-from model.tokenizers import Tokenizer
-from server.metrics import Metrics
+from gptserve.engine.async_engine import AsyncEngine
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sequence import TokenEvent, TokenLogprob
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.server.metrics import Metrics
 
 
 class RequestTimeout(Exception):

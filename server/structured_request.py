@@ -18,18 +18,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llguidance.gbnf_to_lark import any_to_lark
-
-from engine.errors import RequestError
-from engine.grammar import (
+from gptserve.engine.errors import RequestError
+from gptserve.engine.grammar import (
     JSON_OBJECT_SCHEMA,
     Constraint,
     ConstraintKind,
     GrammarError,
     compile_constraint,
 )
-from model.tokenizers import Tokenizer
-from server.protocol import StructuredFields, StructuredOutputs
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.server.protocol import StructuredFields, StructuredOutputs
+from llguidance.gbnf_to_lark import any_to_lark
 
 # how a request asked: the wrapper it came in decides how its value is read
 RequestKind = Literal["json_object", "json_schema", "json", "regex", "choice", "grammar"]

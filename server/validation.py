@@ -17,25 +17,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import RequestError
-from engine.grammar import AfterToken
-from engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
-from engine.pooling import EmbeddingSpec, PoolingParams
-from engine.sampler import SamplingParams
-from model.tokenizers import Tokenizer
-from server.chat.reasoning import (
+from gptserve.engine.errors import RequestError
+from gptserve.engine.grammar import AfterToken
+from gptserve.engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
+from gptserve.engine.pooling import EmbeddingSpec, PoolingParams
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.server.chat.reasoning import (
     FORMATS,
     THINK_CLOSE,
     THINK_OPEN,
     ReasoningFormat,
     default_format,
 )
-from server.chat.templates import ChatFormat
-from server.chat.tools.formats import ToolCallFormat, format_for_template
-from server.chat.tools.prompt import chat_messages
-from server.chat.tools.request import ToolRequest, read_tools
-from server.errors import APIError, bad_request
-from server.protocol import (
+from gptserve.server.chat.templates import ChatFormat
+from gptserve.server.chat.tools.formats import ToolCallFormat, format_for_template
+from gptserve.server.chat.tools.prompt import chat_messages
+from gptserve.server.chat.tools.request import ToolRequest, read_tools
+from gptserve.server.errors import APIError, bad_request
+from gptserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -44,9 +44,9 @@ from server.protocol import (
     StructuredFields,
     TokenizeRequest,
 )
-from server.request_fields import check_extra_fields
-from server.settings import Settings
-from server.structured_request import constraint_from_fields
+from gptserve.server.request_fields import check_extra_fields
+from gptserve.server.settings import Settings
+from gptserve.server.structured_request import constraint_from_fields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # what a chat template is given by the server, which chat_template_kwargs may not replace

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.model import GPT, ModelConfig, save_checkpoint
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from model import GPT, ModelConfig, save_checkpoint
 
 # Ray's token authentication with a token of this run's, written nowhere. Ray reads these once,
 # when it is first imported, and more than one test module imports it: set them before any does.
@@ -25,7 +24,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load) the compiled CPU kernels once, before any test: servers that tests start
     in subprocesses then load the build from PyTorch's cache instead of compiling it against
     their start-up deadline."""
-    from kernels.cpu.native import native_ops
+    from gptserve.kernels.cpu.native import native_ops
 
     native_ops()
 
@@ -79,8 +78,8 @@ class PagedCache:
         block_size: int = 16, block_order: list[int] | None = None, prefix_caching: bool = True,
         **pool_args: object,
     ) -> None:  # fmt: skip
-        from engine.block_manager import BlockManager
-        from kernels.paged_kv import KVPools
+        from gptserve.engine.block_manager import BlockManager
+        from gptserve.kernels.paged_kv import KVPools
 
         if isinstance(model, tuple):
             self.pools = KVPools(*model, num_blocks, block_size, **pool_args)

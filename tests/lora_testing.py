@@ -6,9 +6,8 @@ from __future__ import annotations
 import copy
 
 import torch
-
-from model import GPT, ModelConfig
-from model.lora.adapter import LoraAdapter, LoraPiece
+from gptserve.model import GPT, ModelConfig
+from gptserve.model.lora.adapter import LoraAdapter, LoraPiece
 
 
 def random_adapter(

@@ -1,13 +1,13 @@
-"""Train a GPT on UTF-8 text; the output directory is directly servable (`python -m server --model DIR`).
+"""Train a GPT on UTF-8 text; the output directory is directly servable (`gptserve serve --model DIR`).
 
-    python train.py --data shakespeare.txt --out runs/shakespeare --max-steps 2000
-    python train.py --out runs/shakespeare --resume            # continue a killed run
-    python train.py --data ... --out ... --resume auto         # continue it if there is one
-    python train.py --data ... --out runs/shakespeare --overwrite  # start that run over
+    gptserve train --data shakespeare.txt --out runs/shakespeare --max-steps 2000
+    gptserve train --out runs/shakespeare --resume            # continue a killed run
+    gptserve train --data ... --out ... --resume auto         # continue it if there is one
+    gptserve train --data ... --out runs/shakespeare --overwrite  # start that run over
     torchrun --nproc_per_node 2 train.py --data ... --out ...  # DistributedDataParallel
-    python train.py --arch llama --data ... --out ...          # a Llama-shaped model
-    python train.py --init-from DIR --data ... --out ...       # fine-tune DIR (ours or HF)
-    python train.py --init-from DIR --lora-rank 8 --data ... --out ...  # a LoRA adapter on DIR
+    gptserve train --arch llama --data ... --out ...          # a Llama-shaped model
+    gptserve train --init-from DIR --data ... --out ...       # fine-tune DIR (ours or HF)
+    gptserve train --init-from DIR --lora-rank 8 --data ... --out ...  # a LoRA adapter on DIR
 
 Writes into DIR: config.json + model.safetensors (last), best/ (lowest validation loss),
 train_state.pt (everything --resume needs, full fp32 weights included), metrics.jsonl, loss.png
@@ -25,10 +25,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from model.dtypes import DTYPES
-from model.lora.peft_format import CONFIG_FILE as ADAPTER_FILE
-from training.checkpointing import STATE_FILE, read_saved_flags
-from training.config import (
+from gptserve.model.dtypes import DTYPES
+from gptserve.model.lora.peft_format import CONFIG_FILE as ADAPTER_FILE
+from gptserve.training.checkpointing import STATE_FILE, read_saved_flags
+from gptserve.training.config import (
     ARCH_KEYS,
     ARCHS,
     GPT2_ONLY_KEYS,
@@ -39,7 +39,7 @@ from training.config import (
     field_names,
     flag,
 )
-from training.errors import TrainError
+from gptserve.training.errors import TrainError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Every default is SUPPRESS so that we can tell which flags were given: with --resume the
     # flags not given come from the saved run, then from TrainConfig's defaults.
     p = _Parser(
+        prog="gptserve train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,

@@ -9,14 +9,13 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from model import GPT, save_checkpoint
-from model.checkpoint import atomic_write
-from model.lora.adapter import LoraPiece
-from model.lora.peft_format import write_peft
-from training.config import TrainConfig
-from training.errors import TrainError
-from training.lora import adapter_of, lora_state, merge_lora
+from gptserve.model import GPT, save_checkpoint
+from gptserve.model.checkpoint import atomic_write
+from gptserve.model.lora.adapter import LoraPiece
+from gptserve.model.lora.peft_format import write_peft
+from gptserve.training.config import TrainConfig
+from gptserve.training.errors import TrainError
+from gptserve.training.lora import adapter_of, lora_state, merge_lora
 
 STATE_FILE = "train_state.pt"
 BEST_DIR = "best"

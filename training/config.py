@@ -6,9 +6,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from model import ConfigError, ModelConfig
-from model.lora.modules import TARGETS
-from training.errors import TrainError
+from gptserve.model import ConfigError, ModelConfig
+from gptserve.model.lora.modules import TARGETS
+from gptserve.training.errors import TrainError
 
 # The fields that make two runs the same model; --resume cannot change them, and --init-from
 # takes them from its checkpoint (but block_size, there the training window).
@@ -164,7 +164,7 @@ class TrainConfig:
         if self.merge and Path(self.init_from).suffix == ".gguf":
             raise TrainError(
                 "--merge cannot write a GGUF base's tokenizer into a checkpoint; serve the "
-                "adapter on the GGUF file instead (python -m server --model FILE.gguf --lora "
+                "adapter on the GGUF file instead (gptserve serve --model FILE.gguf --lora "
                 "NAME=OUT)"
             )
 

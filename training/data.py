@@ -12,12 +12,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from gptserve.model import get_tokenizer
+from gptserve.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from gptserve.training.distributed import Dist, on_every_rank, on_rank0
+from gptserve.training.errors import TrainError
 from tqdm import tqdm
-
-from model import get_tokenizer
-from model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
-from training.distributed import Dist, on_every_rank, on_rank0
-from training.errors import TrainError
 
 WIDE_SUFFIX = "-u32"  # a token file of uint32 ids ends its name with this
 # what identifies a checkpoint's own tokenizer ("hf"): its files, hashed into the cache key

@@ -11,8 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-
-from training.errors import TrainError
+from gptserve.training.errors import TrainError
 
 T = TypeVar("T")
 

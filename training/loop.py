@@ -9,13 +9,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
-
-from model import get_tokenizer
-from model.cpu.malloc_tuning import retain_freed_memory
-from model.dtypes import DTYPES
-from training.checkpointing import (
+from gptserve.model import get_tokenizer
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory
+from gptserve.model.dtypes import DTYPES
+from gptserve.training.checkpointing import (
     BEST_DIR,
     STATE_FILE,
     atomic_torch_save,
@@ -27,19 +24,25 @@ from training.checkpointing import (
     save_outputs,
     set_rng_state,
 )
-from training.config import TrainConfig, model_flags
-from training.data import BatchSampler, data_fingerprint, prepare_data, split_tokens
-from training.distributed import (
+from gptserve.training.config import TrainConfig, model_flags
+from gptserve.training.data import BatchSampler, data_fingerprint, prepare_data, split_tokens
+from gptserve.training.distributed import (
     Dist,
     all_gather,
     on_every_rank,
     same_on_every_rank,
     wait_for_every_rank,
 )
-from training.errors import TrainError
-from training.lora import load_lora_state, resolve_targets, trainable_count
-from training.metrics import LOSS_PLOT, METRICS_FILE, append_metrics, plot_losses, trim_metrics
-from training.setup import (
+from gptserve.training.errors import TrainError
+from gptserve.training.lora import load_lora_state, resolve_targets, trainable_count
+from gptserve.training.metrics import (
+    LOSS_PLOT,
+    METRICS_FILE,
+    append_metrics,
+    plot_losses,
+    trim_metrics,
+)
+from gptserve.training.setup import (
     autocast_for,
     build_model,
     load_run_tokenizer,
@@ -47,7 +50,16 @@ from training.setup import (
     tokenizer_dir,
     train_window,
 )
-from training.step import LossModule, evaluate, lr_at, make_optimizer, sample_text, train_step
+from gptserve.training.step import (
+    LossModule,
+    evaluate,
+    lr_at,
+    make_optimizer,
+    sample_text,
+    train_step,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 MAX_BAD_STEPS = 5  # consecutive non-finite losses before training stops
 

@@ -14,12 +14,17 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from model import GPT, ModelConfig
-from model.lora.adapter import LoraAdapter, LoraPiece
-from model.lora.merge import merge_into
-from model.lora.modules import TARGETS, Slice, adapter_slices, available_targets, is_llama_family
-from training.errors import TrainError
+from gptserve.model import GPT, ModelConfig
+from gptserve.model.lora.adapter import LoraAdapter, LoraPiece
+from gptserve.model.lora.merge import merge_into
+from gptserve.model.lora.modules import (
+    TARGETS,
+    Slice,
+    adapter_slices,
+    available_targets,
+    is_llama_family,
+)
+from gptserve.training.errors import TrainError
 
 # what --lora-targets means when not given: PEFT's defaults (q and v of the Llama family, all of
 # GPT-2's fused c_attn)

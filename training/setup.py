@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from model import GPT, CheckpointError, ModelConfig, load_checkpoint
-from model.dtypes import DTYPES
-from model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
-from training.config import TrainConfig
-from training.distributed import Dist
-from training.errors import TrainError
-from training.lora import inject_lora, resolve_targets
+from gptserve.model import GPT, CheckpointError, ModelConfig, load_checkpoint
+from gptserve.model.dtypes import DTYPES
+from gptserve.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from gptserve.training.config import TrainConfig
+from gptserve.training.distributed import Dist
+from gptserve.training.errors import TrainError
+from gptserve.training.lora import inject_lora, resolve_targets
 
 MAX_FINE_TUNE_WINDOW = 1024  # --init-from without --block-size: a long context's windows cap here
 # "gpt2" is built in; "hf" is the tokenizer.json beside the weights, which the run copies to --out

@@ -9,12 +9,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from gptserve.model import GPT
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.training.config import TrainConfig
+from gptserve.training.data import BatchSampler
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from model import GPT
-from model.tokenizers import Tokenizer
-from training.config import TrainConfig
-from training.data import BatchSampler
 
 
 class LossModule(nn.Module):

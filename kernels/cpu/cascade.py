@@ -34,10 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu.products import onednn_products, product_nt
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata
+from gptserve.kernels.cpu.products import onednn_products, product_nt
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata
 
 SCORE_BYTES = 16 << 20  # float32 scores held at once: longer query runs are taken in slices
 

@@ -37,9 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata
 
 # bfloat16 and float16 tiles of up to this many elements are multiplied in float32: for a few
 # short sequences the copy costs less than bfloat16's slower small products (one sequence of 128

@@ -24,12 +24,18 @@ These take one call each:
 
 They are compiled with PyTorch's extension builder (a C++ compiler and ninja, found on most
 Linux hosts; `pip install ninja` for the latter) for the host's own instruction set, the first
-time a process asks for them (about 20 s); later processes load the build from PyTorch's
-extension cache (`TORCH_EXTENSIONS_DIR`, by default under ~/.cache) in a fraction of a second.
-Where they cannot be built, one line says why and PyTorch operations serve instead, with the same
-results within rounding. `GPTSERVE_NATIVE=0` keeps PyTorch operations (benchmarks compare the
-two that way). `GPTSERVE_NATIVE_ARCH` names the `-march` target (default `native`; `x86-64-v3`
-builds for an AVX2 host on an AVX-512 one, as docs/BENCHMARKS.md's AVX2 runs do).
+time a process asks for them (20-60 s; a log line says what is compiled, for which target and
+where the build is kept); later processes load the build from PyTorch's extension cache
+(`TORCH_EXTENSIONS_DIR`, by default under ~/.cache) in a fraction of a second. Where they cannot
+be built, one line says why and PyTorch operations serve instead, with the same results within
+rounding. `GPTSERVE_NATIVE=0` keeps PyTorch operations (benchmarks compare the two that way).
+
+`gptserve fetch --kernels x86-64-v3,x86-64-v4` builds them ahead of time for named `-march`
+targets (the Docker image does, so that a container starts ready): a process then loads the
+host's own build when one is in the cache, else the best prebuilt target this host can run, and
+only with neither compiles its own. `GPTSERVE_NATIVE_ARCH` names the one target to use (build if
+need be): `native` always takes the host's own build, `x86-64-v3` an AVX2 one on an AVX-512 host,
+as docs/BENCHMARKS.md's AVX2 runs do.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import logging
 import os
 import platform
 import re
+import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -90,39 +97,119 @@ def enabled() -> bool:
     return os.environ.get("GPTSERVE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# Prebuilt targets, best first, with the cpuinfo flags each needs (x86-64 psABI levels 3 and 4).
+BASELINES: dict[str, set[str]] = {
+    "x86-64-v4": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "x86-64-v3": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},
+}
+# what the log names of a host's instruction sets
+NAMED_SETS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "neon",
+    "asimd",
+    "sve",
+)
+
+
+def host_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:  # x86 says "flags", ARM "Features"
+            line = next((ln for ln in info if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def instruction_sets() -> str:
+    """This host's vector instruction sets, for the log: "avx2, fma, avx512f"."""
+    named = [name for name in NAMED_SETS if name in host_flags()]
+    return ", ".join(named) or "no vector extensions listed"
+
+
+def build_root() -> Path:
+    """PyTorch's extension cache, where builds live (as torch.utils.cpp_extension finds it)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    accelerator = (
+        f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip
+        else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda
+        else "cpu"
+    )  # fmt: skip
+    version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{version}_{accelerator}"
+
+
+def build_name(arch: str) -> str:
+    """The build's name: what it was built from (the sources, headers and torch) and for which
+    target; a `native` build also names the host, so that a cache shared by hosts of two kinds
+    never hands one the other's."""
+    code = hashlib.sha256(torch.__version__.encode())  # PyTorch rebuilds on a source change only
+    for path in SOURCES + HEADERS:
+        code.update(path.read_bytes())
+    host = host_tag() if arch == "native" else "any"
+    return f"gptserve_cpu_{host}_{re.sub(r'[^0-9A-Za-z]', '_', arch)}_{code.hexdigest()[:8]}"
+
+
+def _load_built(arch: str) -> bool:
+    """Load the cached build for `arch` if there is one; False when there is none (or a build cut
+    short while it was written, which is removed so that it is built again)."""
+    built = build_root() / build_name(arch) / f"{build_name(arch)}.so"
+    if not built.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(built))
+    except OSError:
+        built.unlink(missing_ok=True)
+        return False
+    if arch != "native":
+        log.info("CPU kernels: the prebuilt -march=%s build (%s)", arch, built.parent)
+    return True
+
+
+def _build(arch: str) -> None:
+    """Compile the kernels for `-march=arch` into the extension cache and load them."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    name = build_name(arch)
+    folder = Path(_get_build_directory(name, verbose=False))
+    _clear_stale_lock(folder)
+    host = f" (this host: {instruction_sets()})" if arch == "native" else ""
+    log.info(
+        "compiling the CPU kernels once: %d C++ files from %s for -march=%s%s into %s; later "
+        "starts load this build", len(SOURCES), SOURCES[0].parent, arch, host, folder,
+    )  # fmt: skip
+    start = time.perf_counter()
+    flags = [*FLAGS, f"-march={arch}"]
+    load(name, [str(p) for p in SOURCES], flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - start)
+
+
+def runnable_baselines() -> list[str]:
+    """The prebuilt targets this host can run, best first."""
+    flags = host_flags()
+    return [arch for arch, needs in BASELINES.items() if needs <= flags]
+
+
 @cache
 def native_ops() -> Any | None:
-    """torch.ops.gptserve_cpu, built or loaded on first use; None where it cannot be (no
+    """torch.ops.gptserve_cpu, loaded (or built) on first use; None where it cannot be (no
     compiler, no ninja, `GPTSERVE_NATIVE=0`), said once in the log."""
     if not enabled():
         return None
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        # PyTorch rebuilds when a source changes, not a header or itself: the name covers them
-        code = hashlib.sha256(torch.__version__.encode())
-        for path in SOURCES + HEADERS:
-            code.update(path.read_bytes())
-        arch = os.environ.get("GPTSERVE_NATIVE_ARCH", "native").strip() or "native"
-        arch_tag = re.sub(r"\W", "_", arch)
-        name = f"gptserve_cpu_{host_tag()}_{arch_tag}_{code.hexdigest()[:8]}"
-        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        if built.is_file():  # the name says what it was built from: load it, no lock taken
-            try:
-                torch.ops.load_library(str(built))
+        chosen = os.environ.get("GPTSERVE_NATIVE_ARCH", "").strip()
+        for arch in [chosen] if chosen else ["native", *runnable_baselines()]:
+            if _load_built(arch):
                 return torch.ops.gptserve_cpu
-            except OSError:  # cut short while it was written: build it again
-                built.unlink()
-        _clear_stale_lock(built.parent)
-        sources = [str(p) for p in SOURCES]
-        log.info(
-            "compiling the CPU kernels for this host (%s, -march=%s; once, then cached)",
-            ", ".join(p.name for p in SOURCES), arch,
-        )  # fmt: skip
-        start = time.perf_counter()
-        flags = [*FLAGS, f"-march={arch}"]
-        load(name, sources, flags, extra_ldflags=["-fopenmp"], is_python_module=False)
-        log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - start)
+        _build(chosen or "native")
         return torch.ops.gptserve_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure means: use PyTorch operations
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

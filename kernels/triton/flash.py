@@ -29,15 +29,14 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton.softmax import (
+from gptserve.kernels.triton.softmax import (
     LOG2E,
     dot_precision,
     softmax_finish,
     softmax_init,
     softmax_update,
 )
-from kernels.window import check_window
+from gptserve.kernels.window import check_window
 
 Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
 

@@ -28,17 +28,16 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata
-from kernels.triton.softmax import (
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.triton.softmax import (
     LOG2E,
     dot_precision,
     softmax_finish,
     softmax_init,
     softmax_update,
 )
-from kernels.window import check_window
+from gptserve.kernels.window import check_window
 
 NO_WINDOW = 1 << 30  # the kernel's window for a global layer: wider than any context
 

@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from kernels.metadata import AttentionPlan, PagedKV
-from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
-from model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
-from model.gpt import MLP, Block, Rope
+from gptserve.kernels.metadata import AttentionPlan, PagedKV
+from gptserve.model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
+from gptserve.model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
+from gptserve.model.gpt import MLP, Block, Rope
 
 __all__ = ["FusedDecodeBlock", "install_decode_layers"]
 

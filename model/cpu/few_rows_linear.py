@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from model.activations import KERNEL_CODES
+from gptserve.model.activations import KERNEL_CODES
 
 LAYER_FEW_ROWS = 8  # a layer's matrices: the tiles win for 1-8 rows (AVX-512 and AVX2)
 HEAD_FEW_ROWS = 2  # the vocabulary head: for 1-2 rows

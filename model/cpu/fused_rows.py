@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from model.gpt import GPT, MLP
-from model.rmsnorm import RMSNorm
+from gptserve.model.gpt import GPT, MLP
+from gptserve.model.rmsnorm import RMSNorm
 
 
 def _input_dtype(product: nn.Module) -> torch.dtype | None:

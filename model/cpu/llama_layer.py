@@ -22,13 +22,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from kernels.metadata import AttentionPlan, PagedKV
-from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
-from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
-from model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
-from model.gpt import Block, Rope
-from model.int4_linear import Int4Linear
+from gptserve.kernels.metadata import AttentionPlan, PagedKV
+from gptserve.model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear
+from gptserve.model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
+from gptserve.model.cpu.one_call_block import OneCallBlock, install_one_call_blocks
+from gptserve.model.gpt import Block, Rope
+from gptserve.model.int4_linear import Int4Linear
 
 __all__ = ["FusedLlamaBlock", "install_llama_layers"]
 

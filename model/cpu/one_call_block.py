@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch.nn as nn
-
-from model.gpt import Block
-from model.lora.batched import LoraBank, OneCallUpdates
+from gptserve.model.gpt import Block
+from gptserve.model.lora.batched import LoraBank, OneCallUpdates
 
 
 class OneCallBlock(Block):

@@ -32,14 +32,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from kernels.cpu.native import native_ops
-from model.cpu.decode_layer import install_decode_layers
-from model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear, compiled_tiles
-from model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
-from model.cpu.llama_layer import install_llama_layers
-from model.cpu.onednn_linear import OneDnnLinear
-from model.cpu.packed_linear import (
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.model.cpu.decode_layer import install_decode_layers
+from gptserve.model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear, compiled_tiles
+from gptserve.model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
+from gptserve.model.cpu.llama_layer import install_llama_layers
+from gptserve.model.cpu.onednn_linear import OneDnnLinear
+from gptserve.model.cpu.packed_linear import (
     PackedEmbedding,
     PackedLinear,
     pack_head,
@@ -47,7 +46,7 @@ from model.cpu.packed_linear import (
     pack_linears,
     with_few_rows,
 )
-from model.gpt import GPT, MLP
+from gptserve.model.gpt import GPT, MLP
 
 
 class FusedMLP(nn.Module):
@@ -87,7 +86,7 @@ def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bo
     """
     if next(model.parameters()).device.type != "cpu" or is_optimized_for_cpu(model):
         return model
-    from model.quantize import Int8Linear  # here: model.quantize imports this package
+    from gptserve.model.quantize import Int8Linear  # here: model.quantize imports this package
 
     model.eval().requires_grad_(False)
     threads = threads or torch.get_num_threads()

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from model.cpu.few_rows_linear import HEAD_FEW_ROWS, LAYER_FEW_ROWS, FewRowsLinear
-from model.cpu.onednn_linear import OneDnnLinear
+from gptserve.model.cpu.few_rows_linear import HEAD_FEW_ROWS, LAYER_FEW_ROWS, FewRowsLinear
+from gptserve.model.cpu.onednn_linear import OneDnnLinear
 
 
 class PackedLinear(nn.Module):

@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from model.config import ConfigError, ModelConfig
+from gptserve.model.config import ConfigError, ModelConfig
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
 GEMMA3_PATTERN = 6  # llama.cpp's: layer i is global when (i + 1) % 6 == 0

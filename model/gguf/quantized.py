@@ -40,17 +40,22 @@ import gguf
 import numpy as np
 import torch
 import torch.nn as nn
+from gptserve.model.config import ConfigError
+from gptserve.model.gguf.blocks import (
+    INT4_TYPES,
+    SPLIT_TYPES,
+    Int4Groups,
+    int4_groups,
+    q8_0_split_groups,
+)
+from gptserve.model.gguf.checkpoint import GGUFModel, RawTensor
+from gptserve.model.gguf.kquant_blocks import KQUANT_TYPES
+from gptserve.model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
+from gptserve.model.gpt import GPT
+from gptserve.model.int4_linear import Int4Linear
+from gptserve.model.kquant_linear import KQuantLinear, kquant_compiled
+from gptserve.model.quantize import Int8Linear, quantize_rows
 from torch.overrides import TorchFunctionMode
-
-from model.config import ConfigError
-from model.gguf.blocks import INT4_TYPES, SPLIT_TYPES, Int4Groups, int4_groups, q8_0_split_groups
-from model.gguf.checkpoint import GGUFModel, RawTensor
-from model.gguf.kquant_blocks import KQUANT_TYPES
-from model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
-from model.gpt import GPT
-from model.int4_linear import Int4Linear
-from model.kquant_linear import KQuantLinear, kquant_compiled
-from model.quantize import Int8Linear, quantize_rows
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROWS_AT_ONCE = 2048  # rows dequantized at a time on the way to int8

@@ -20,8 +20,7 @@ import gguf
 import numpy as np
 import torch
 import torch.nn as nn
-
-from model.gguf.checkpoint import RawTensor
+from gptserve.model.gguf.checkpoint import RawTensor
 
 REFINED = 16  # logits per row recomputed exactly
 

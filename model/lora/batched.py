@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-
-from kernels.cpu.native import native_ops
-from model.activations import KERNEL_CODES, activate
-from model.lora.adapter import LoraAdapter
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.model.activations import KERNEL_CODES, activate
+from gptserve.model.lora.adapter import LoraAdapter
 
 BASE_SLOT = -1  # a row without adapter
 # a layer's products, in the order `install_lora` wraps them and `llama_decode_layer` numbers them

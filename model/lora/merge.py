@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-from model.lora.adapter import LoraAdapter
+from gptserve.model.lora.adapter import LoraAdapter
 
 
 def merge_into(model: nn.Module, adapter: LoraAdapter, sign: float = 1.0) -> None:

@@ -22,13 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
-from model.checkpoint import atomic_write, read_json_object
-from model.config import ModelConfig
-from model.lora.adapter import LoraAdapter, LoraPiece
-from model.lora.modules import (
+from gptserve.model.checkpoint import atomic_write, read_json_object
+from gptserve.model.config import ModelConfig
+from gptserve.model.lora.adapter import LoraAdapter, LoraPiece
+from gptserve.model.lora.modules import (
     NOT_ADAPTABLE,
     Slice,
     hf_block_prefix,
@@ -36,6 +33,8 @@ from model.lora.modules import (
     hf_modules,
     is_llama_family,
 )
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -250,7 +249,7 @@ def _group_modules(
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """{(block, module within it): {"A": tensor, "B": tensor}}; AdapterError for a tensor that is
     not a plain LoRA matrix of a block's projection."""
-    blocks = "model.layers" if is_llama_family(config) else "transformer.h"
+    blocks = "gptserve.model.layers" if is_llama_family(config) else "transformer.h"
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PREFIX)

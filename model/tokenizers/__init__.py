@@ -2,10 +2,10 @@
 (`gpt2`), a checkpoint's own `tokenizer.json` (`hf`), a GGUF file's vocabulary rebuilt from its
 metadata (`gguf`), and `load_tokenizer`, which picks the one a checkpoint names (`loader`)."""
 
-from model.tokenizers.base import IncrementalDetokenizer, Tokenizer, TokenizerError
-from model.tokenizers.gpt2 import GPT2Tokenizer
-from model.tokenizers.hf import HFTokenizer
-from model.tokenizers.loader import get_tokenizer, load_tokenizer
+from gptserve.model.tokenizers.base import IncrementalDetokenizer, Tokenizer, TokenizerError
+from gptserve.model.tokenizers.gpt2 import GPT2Tokenizer
+from gptserve.model.tokenizers.hf import HFTokenizer
+from gptserve.model.tokenizers.loader import get_tokenizer, load_tokenizer
 
 __all__ = [
     "GPT2Tokenizer",

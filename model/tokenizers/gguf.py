@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gptserve.model.tokenizers.base import TokenizerError
+from gptserve.model.tokenizers.hf import HFTokenizer
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
-
-from model.tokenizers.base import TokenizerError
-from model.tokenizers.hf import HFTokenizer
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # Llama 3 and Qwen2 differ in how many digits make a word: up to three, or one

@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 
 import tiktoken
+from gptserve.model.tokenizers.base import IncrementalDetokenizer, TokenizerError, byte_to_unicode
 from tiktoken_ext.openai_public import r50k_pat_str
-
-from model.tokenizers.base import IncrementalDetokenizer, TokenizerError, byte_to_unicode
 
 ENDOFTEXT = "<|endoftext|>"
 GPT2_FILES_SHA256 = {

@@ -17,9 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gptserve.model.tokenizers.base import IncrementalDetokenizer, TokenizerError, byte_to_unicode
 from tokenizers import Tokenizer as RustTokenizer
-
-from model.tokenizers.base import IncrementalDetokenizer, TokenizerError, byte_to_unicode
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

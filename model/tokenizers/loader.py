@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model.tokenizers.base import Tokenizer, TokenizerError
-from model.tokenizers.gguf import tokenizer_from_gguf
-from model.tokenizers.gpt2 import GPT2Tokenizer, gpt2_encoding
-from model.tokenizers.hf import HFTokenizer
+from gptserve.model.tokenizers.base import Tokenizer, TokenizerError
+from gptserve.model.tokenizers.gguf import tokenizer_from_gguf
+from gptserve.model.tokenizers.gpt2 import GPT2Tokenizer, gpt2_encoding
+from gptserve.model.tokenizers.hf import HFTokenizer
 
 
 def get_tokenizer(name: str = "gpt2") -> GPT2Tokenizer:
@@ -24,7 +24,7 @@ def load_tokenizer(name: str, directory: str | Path | None = None) -> Tokenizer:
         if directory is None:
             raise TokenizerError("tokenizer 'gguf' needs the GGUF file")
         # imported here: reading GGUF files needs the `gguf` package, slow to import
-        from model.gguf.checkpoint import read_metadata
+        from gptserve.model.gguf.checkpoint import read_metadata
 
         return tokenizer_from_gguf(read_metadata(Path(directory)), name=Path(directory).stem)
     if name == "hf":

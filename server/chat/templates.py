@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from gptserve.model.tokenizers import Tokenizer
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from model.tokenizers import Tokenizer
 
 TEMPLATE_FILE = "chat_template.txt"
 JINJA_FILE = "chat_template.jinja"
@@ -315,7 +314,7 @@ def load_chat_format(path: Path, tokenizer: Tokenizer, override: Path | None = N
     if override is not None:
         return JinjaChat(JinjaChatTemplate.from_file(override, specials))
     if path.suffix == ".gguf" and path.is_file():
-        from model.gguf.checkpoint import read_metadata
+        from gptserve.model.gguf.checkpoint import read_metadata
 
         source = read_metadata(path).get("tokenizer.chat_template")
         return JinjaChat(JinjaChatTemplate(source, specials)) if source else ChatTemplate()

@@ -1,6 +1,6 @@
 """Ray Serve: engine replicas behind Ray Serve's HTTP proxy (needs the `ray` extra).
 
-`cli.py` is `python -m server.ray` and Ray Serve's application builder (`serve run server.ray:app`
+`cli.py` is `gptserve ray` and Ray Serve's application builder (`serve run server.ray:app`
 or `server.ray:build_app key=value ...`), `deployment.py` the replica deployment and its scale
 options, `proxy_middleware.py` the middleware that Ray's HTTP proxy runs before a replica. See
 docs/DEPLOY.md.
@@ -14,7 +14,7 @@ from typing import Any
 
 def build_app(args: Mapping[str, Any] | None = None) -> Any:
     """Ray Serve's application builder: `serve run server.ray:build_app key=value ...`."""
-    from server.ray.cli import build_app as build
+    from gptserve.server.ray.cli import build_app as build
 
     return build(args)
 

@@ -1,7 +1,7 @@
-"""`python -m server.ray`: start a local Ray and serve replicas (see server/ray/cli.py)."""
+"""`python -m gptserve.server.ray`: the same as `gptserve ray` (see server/ray/cli.py)."""
 
 import sys
 
-from server.ray.cli import main
+from gptserve.server.ray.cli import main
 
 sys.exit(main())

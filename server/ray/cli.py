@@ -3,11 +3,11 @@ queue depth. Needs the `ray` extra (`pip install -e '.[ray]'`).
 
     serve run server.ray:app                                  # the bundled model, 1-2 replicas
     serve run server.ray:build_app model=/abs/DIR num_replicas=2
-    python -m server.ray --model DIR --replicas 2 --port 8000  # starts a local Ray itself
+    gptserve ray --model DIR --replicas 2 --port 8000  # starts a local Ray itself
 
 `build_app` takes Ray Serve's application arguments (`key=value` after `serve run`, or `args:`
-in a Serve config file): every `python -m server` flag by its name (`model`, `api_key`,
-`max_num_seqs`, ...; dashes or underscores) and the ScaleOptions of server.ray.deployment
+in a Serve config file): every `gptserve serve` flag by its name (`model`, `api_key`,
+`max_num_seqs`, ...; dashes or underscores) and the ScaleOptions of gptserve.server.ray.deployment
 (`num_replicas`, or `min_replicas`/`max_replicas`/`target_ongoing_requests` to autoscale,
 `num_cpus` per replica, ...). See docs/DEPLOY.md.
 """
@@ -27,19 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from gptserve.server.cli import bind
+from gptserve.server.ray.deployment import SCALE_FIELDS, ScaleOptions, deployment
+from gptserve.server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from gptserve.server.runtime import ModelLoadError, preflight
+from gptserve.server.settings import (
+    Settings,
+    SettingsError,
+    build_parser,
+    flag_name,
+    settings_from_args,
+)
 from ray import serve
 from ray.serve.deployment import Application
-
-from server.__main__ import bind
-from server.ray.deployment import SCALE_FIELDS, ScaleOptions, deployment
-from server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-from server.runtime import ModelLoadError, preflight
-from server.settings import Settings, SettingsError, build_parser, flag_name, settings_from_args
 
 APP_NAME = "gptserve"
 _ALIASES = {"api_key": "api_keys", "replicas": "num_replicas"}
 _SWITCH_TRUE = ("1", "true", "yes", "on")
-# where Ray's defaults differ from `python -m server`'s: each SSE chunk crosses the proxy as a Ray
+# where Ray's defaults differ from `gptserve serve`'s: each SSE chunk crosses the proxy as a Ray
 # object, so a chunk carries 4 tokens (after the first); `stream_interval=1` streams every token
 RAY_DEFAULTS = ("--stream-interval", "4")
 _SCALE_HELP = {
@@ -104,7 +109,7 @@ def _scale_value(key: str, value: Any, hint: Any) -> Any:
 
 
 def _setting_argv(f: Field, value: Any) -> list[str]:
-    """A Settings field's value as `python -m server` flags."""
+    """A Settings field's value as `gptserve serve` flags."""
     flag = f"--{flag_name(f)}"
     if f.default_factory is not MISSING:  # a list: repeated, or comma-separated in one string
         items = value.split(",") if isinstance(value, str) else list(value)
@@ -115,7 +120,7 @@ def _setting_argv(f: Field, value: Any) -> list[str]:
     return [flag, str(value)]
 
 
-# ---- python -m server.ray ----------------------------------------------------------------
+# ---- gptserve ray ----------------------------------------------------------------
 
 
 def _add_scale_flags(add_argument: Callable[..., Any]) -> None:
@@ -136,11 +141,11 @@ def _add_scale_flags(add_argument: Callable[..., Any]) -> None:
 
 
 def parse_cli(argv: list[str] | None = None) -> tuple[Settings, ScaleOptions, str | None]:
-    """`python -m server.ray` flags: every `python -m server` flag plus the scale flags.
+    """`gptserve ray` flags: every `gptserve serve` flag plus the scale flags.
     argparse exits 2 on a bad flag; raises SettingsError for a bad value."""
     argv = sys.argv[1:] if argv is None else argv
     full = build_parser()
-    full.prog = "python -m server.ray"
+    full.prog = "gptserve ray"
     full.description = "Serve a checkpoint on Ray Serve: engine replicas behind Ray's proxy."
     _add_scale_flags(full.add_argument_group("ray serve").add_argument)
     full.parse_args(argv)  # --help, unknown flags and bad types, with every flag listed

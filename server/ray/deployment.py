@@ -1,14 +1,14 @@
 """The Ray Serve deployment: one gptserve engine per replica, behind Ray Serve's HTTP proxy.
 
 Each replica serves the app that `create_app` builds (the same routes, errors, API keys,
-streaming and playground as `python -m server`) with its own engine thread, and names itself in
+streaming and playground as `gptserve serve`) with its own engine thread, and names itself in
 an `x-gptserve-replica` response header. A replica is healthy once its model serves: its first
 health check waits for the load, and afterwards every check gives `/health`'s verdict (a failed
 load or a dead engine is a 503), so Ray replaces a replica that stops serving even while its
 process lives on. Each replica's Prometheus registry is copied into Ray's metrics every few
 seconds (`MetricsMirror`), tagged with the deployment, replica and application.
 
-`server.ray.cli` builds applications from this module (`serve run`, config files, its CLI).
+`gptserve.server.ray.cli` builds applications from this module (`serve run`, config files, its CLI).
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from fastapi import FastAPI
+from gptserve.server.app import create_app
+from gptserve.server.runtime import ServerState
+from gptserve.server.settings import API_KEYS_ENV, Settings, SettingsError
 from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.serve import metrics as serve_metrics
 from ray.serve.deployment import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from server.app import create_app
-from server.runtime import ServerState
-from server.settings import API_KEYS_ENV, Settings, SettingsError
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ those the API's shape: a JSON error, or, in a stream that had started, one `data
 event followed by `data: [DONE]`.
 
 Ray installs it from the environment of the processes it starts:
-`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=server.ray.proxy_middleware:proxy_middlewares` (set it before
-`ray start` or `serve run`; `python -m server.ray` sets it for the Ray it starts).
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=gptserve.server.ray.proxy_middleware:proxy_middlewares` (set it before
+`ray start` or `serve run`; `gptserve ray` sets it for the Ray it starts).
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import logging
 
+from gptserve.server.errors import error_body
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from server.errors import error_body
 
 log = logging.getLogger(__name__)
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "server.ray.proxy_middleware:proxy_middlewares"
+PROXY_CALLBACK = "gptserve.server.ray.proxy_middleware:proxy_middlewares"
 
 _JSON, _SSE = b"application/json", b"text/event-stream"
 _CODES = {408: "timeout", 429: "too_many_requests", 503: "unavailable"}

@@ -20,16 +20,15 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from gptserve.server.errors import APIError, bad_request
+from gptserve.server.openai_api import SSE_HEADERS, AcceptedRequest, accept, collect, stream_pieces
+from gptserve.server.protocol import ERROR_RESPONSES
+from gptserve.server.responses.request import ChatForm, ResponsesRequest, rename_error, to_chat
+from gptserve.server.responses.store import ResponseStore
+from gptserve.server.runtime import ServerState
+from gptserve.server.tenancy import TENANT_SCOPE_KEY
+from gptserve.server.validation import EngineInputs, Validator
 from pydantic import BaseModel
-
-from server.errors import APIError, bad_request
-from server.openai_api import SSE_HEADERS, AcceptedRequest, accept, collect, stream_pieces
-from server.protocol import ERROR_RESPONSES
-from server.responses.request import ChatForm, ResponsesRequest, rename_error, to_chat
-from server.responses.store import ResponseStore
-from server.runtime import ServerState
-from server.tenancy import TENANT_SCOPE_KEY
-from server.validation import EngineInputs, Validator
 
 router = APIRouter()
 INCOMPLETE = "length"  # the engine's finish reason that makes a response incomplete

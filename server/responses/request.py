@@ -16,11 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gptserve.server.errors import APIError, bad_request
+from gptserve.server.protocol import ChatCompletionRequest, Finite
+from gptserve.server.request_fields import Unhonoured, refuse_or_log
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from server.errors import APIError, bad_request
-from server.protocol import ChatCompletionRequest, Finite
-from server.request_fields import Unhonoured, refuse_or_log
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds
 MAX_METADATA_KEY = 64

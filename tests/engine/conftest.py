@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from model import GPT, ModelConfig, get_tokenizer
+from gptserve.model import GPT, ModelConfig, get_tokenizer
 
 
 @pytest.fixture(scope="module")

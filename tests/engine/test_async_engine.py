@@ -7,13 +7,12 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import get_tokenizer, load_checkpoint
-from server.runtime import ModelLoadError, load_model
-from server.settings import Settings
+from gptserve.engine.async_engine import AsyncEngine
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import get_tokenizer, load_checkpoint
+from gptserve.server.runtime import ModelLoadError, load_model
+from gptserve.server.settings import Settings
 
 
 def test_the_engine_is_built_and_stepped_in_the_engine_thread(tiny_checkpoint: Path):
@@ -83,9 +82,9 @@ def test_stop_while_the_engine_is_being_built_leaves_no_engine_running(
 ):
     import time
 
-    import server.runtime as state_module
-    from server.metrics import Metrics
-    from server.runtime import ServerState
+    import gptserve.server.runtime as state_module
+    from gptserve.server.metrics import Metrics
+    from gptserve.server.runtime import ServerState
 
     building = threading.Event()
 

@@ -17,14 +17,14 @@ import random
 
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import load_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.model import GPT, ModelConfig, save_checkpoint
+from gptserve.model.cpu.few_rows_linear import compiled_tiles
+from gptserve.model.quantize import dequantize_from_rows
 
-from engine.engine import Engine, EngineConfig
-from engine.loader import load_for_inference
-from engine.sampler import SamplingParams
-from kernels.cpu.native import native_ops
-from model import GPT, ModelConfig, save_checkpoint
-from model.cpu.few_rows_linear import compiled_tiles
-from model.quantize import dequantize_from_rows
 from tests.model.gguf.test_gguf import VOCAB as GGUF_VOCAB
 from tests.model.gguf.test_gguf import write_gguf
 

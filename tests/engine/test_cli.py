@@ -5,10 +5,9 @@ import sys
 
 import pytest
 import torch
-
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +20,7 @@ def tiny_dir(tmp_path_factory):
 
 def _run(*args):
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
+        [sys.executable, "-m", "gptserve.engine.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -107,7 +106,8 @@ def test_a_tiny_temperature_is_greedy_as_over_http(tiny_dir):
 def adapter_dirs(tiny_dir, tmp_path_factory):
     """A PEFT adapter for the tiny model (in a directory named "poet") and one for a wider
     model."""
-    from model.lora.peft_format import write_peft
+    from gptserve.model.lora.peft_format import write_peft
+
     from tests.lora_testing import random_adapter
 
     root = tmp_path_factory.mktemp("adapters")
@@ -119,7 +119,8 @@ def adapter_dirs(tiny_dir, tmp_path_factory):
 
 
 def test_an_adapter_gives_its_merged_models_greedy_text(tiny_dir, adapter_dirs):
-    from model.lora.peft_format import read_peft
+    from gptserve.model.lora.peft_format import read_peft
+
     from tests.lora_testing import merged
 
     args = ["--model", str(tiny_dir), "To be", "--max-tokens", "12", "--temperature", "0"]
@@ -148,9 +149,9 @@ def test_an_adapter_that_cannot_be_used_is_one_line(tiny_dir, adapter_dirs, adap
 
 
 def test_a_reader_that_goes_away_stops_it_quietly(tiny_dir):
-    """`python -m engine ... | head -1`: no traceback when the pipe closes."""
+    """`gptserve generate ... | head -1`: no traceback when the pipe closes."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "--model", str(tiny_dir), "To be", "--max-tokens",
+        [sys.executable, "-m", "gptserve.engine.cli", "--model", str(tiny_dir), "To be", "--max-tokens",
          "60", "--seed", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

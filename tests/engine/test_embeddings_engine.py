@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gptserve.engine.block_manager import BlockManager
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.errors import RequestError
+from gptserve.engine.loader import load_for_inference
+from gptserve.engine.pooling import EmbeddingSpec, PoolingParams
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.scheduler import Scheduler
+from gptserve.engine.sequence import Sequence
+from gptserve.engine.step_plan import StepKind
+from gptserve.model import get_tokenizer
 
-from engine.block_manager import BlockManager
-from engine.engine import Engine, EngineConfig
-from engine.errors import RequestError
-from engine.loader import load_for_inference
-from engine.pooling import EmbeddingSpec, PoolingParams
-from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step_plan import StepKind
-from model import get_tokenizer
 from tests.model.test_hf_llama import VOCAB, make
 from tests.server.test_hf_models_served import save_word_tokenizer
 
@@ -147,7 +147,7 @@ def test_the_checkpoint_names_its_pooling_and_matryoshka_widths(tmp_path: Path) 
     (tmp_path / "config.json").write_text('{"is_matryoshka": true}')
     assert EmbeddingSpec.read(tmp_path, 64).allows(16)
     assert not EmbeddingSpec("last", 64, False).allows(32)
-    gguf = tmp_path / "model.gguf"
+    gguf = tmp_path / "gptserve.model.gguf"
     gguf.write_bytes(b"")
     assert EmbeddingSpec.read(gguf, 64) == EmbeddingSpec("last", 64, False)
 

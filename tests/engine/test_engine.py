@@ -5,10 +5,9 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-
-from engine.engine import STEP_FAILED, Engine, EngineConfig, RequestError
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig
+from gptserve.engine.engine import STEP_FAILED, Engine, EngineConfig, RequestError
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig
 
 
 def run(engine: Engine, max_steps: int = 10_000) -> dict:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import load_for_inference
+from gptserve.engine.sampler import SamplingParams
 
-from engine.engine import Engine, EngineConfig
-from engine.loader import load_for_inference
-from engine.sampler import SamplingParams
 from tests.engine.test_llama_features import run
 from tests.model.test_hf_gemma_phi3 import VOCAB, make
 from tests.server.test_hf_models_served import save_word_tokenizer

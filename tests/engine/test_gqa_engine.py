@@ -6,16 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gptserve.kernels.backends as backends
 import pytest
 import torch
-
-import kernels.backends as backends
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from kernels.backends import TritonBackend
-from kernels.paged_kv import KVPools
-from kernels.triton import available as triton_available
-from model import GPT, ModelConfig, get_tokenizer, load_checkpoint
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.kernels.backends import TritonBackend
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.kernels.triton import available as triton_available
+from gptserve.model import GPT, ModelConfig, get_tokenizer, load_checkpoint
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 PATHS = ("decode_attention_cpu", "prefill_attention_cpu", "paged_attention_sdpa")  # the CPU's

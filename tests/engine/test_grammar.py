@@ -15,8 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-
-from engine.grammar import (
+from gptserve.engine.grammar import (
     JSON_OBJECT_SCHEMA,
     Constraint,
     ConstraintViolation,
@@ -28,7 +27,8 @@ from engine.grammar import (
     compile_constraint,
     fill_bitmask,
 )
-from model import get_tokenizer
+from gptserve.model import get_tokenizer
+
 from tests.schemas import BOUNDED_MAX_TOKENS, BOUNDED_SCHEMAS
 
 BUDGET = 30  # free tokens before the walk steers toward an end

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.engine import Engine, EngineConfig
-from engine.loader import prepare_for_inference
-from engine.sampler import SamplingParams
-from kernels import SdpaGatherBackend, TritonBackend
-from model import get_tokenizer, load_checkpoint
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import prepare_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.kernels import SdpaGatherBackend, TritonBackend
+from gptserve.model import get_tokenizer, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,11 +72,11 @@ def test_generation_past_the_window_matches_transformers(mistral, expected, back
     path = mistral[1]
     n = 60 if backend != "triton" else 24  # the interpreter is slow: still 3 windows past
     if backend == "sdpa":
-        monkeypatch.setattr("kernels.paged_kv.select_attention_backend",
+        monkeypatch.setattr("gptserve.kernels.paged_kv.select_attention_backend",
                             lambda *a, **k: SdpaGatherBackend())  # fmt: skip
     elif backend == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
-        monkeypatch.setattr("kernels.paged_kv.select_attention_backend",
+        monkeypatch.setattr("gptserve.kernels.paged_kv.select_attention_backend",
                             lambda *a, **k: TritonBackend())  # fmt: skip
     want_tokens, want_lps = expected[0][:n], expected[1][:n]
     tokens, lps = _engine_greedy(path, PROMPT, n, block_size=4)

@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from gptserve.engine.block_manager import BlockAllocator, OutOfBlocks
+from gptserve.model import GPT, ModelConfig
 
-from engine.block_manager import BlockAllocator, OutOfBlocks
-from model import GPT, ModelConfig
 from tests.conftest import PagedCache
 
 

@@ -10,12 +10,11 @@ import copy
 
 import pytest
 import torch
-
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from kernels.paged_kv import cache_dtype
-from model import GPT, ModelConfig, get_tokenizer
-from model.cpu import optimize_for_cpu
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.kernels.paged_kv import cache_dtype
+from gptserve.model import GPT, ModelConfig, get_tokenizer
+from gptserve.model.cpu import optimize_for_cpu
 
 LLAMA = dict(
     n_layer=2, n_head=6, n_kv_head=2, n_embd=96, pos_encoding="rotary", norm="rmsnorm",

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.grammar import compile_constraint
+from gptserve.engine.loader import prepare_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig
+from gptserve.model.tokenizers import HFTokenizer
 
-from engine.engine import Engine, EngineConfig
-from engine.grammar import compile_constraint
-from engine.loader import prepare_for_inference
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig
-from model.tokenizers import HFTokenizer
 from tests.conftest import byte_level_bpe
 
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -6,17 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.loader import (
+from gptserve.engine.loader import (
     ModelLoadError,
     check_load,
     load_for_inference,
     prepare_for_inference,
     resolve_device,
 )
-from model import GPT, ModelConfig, load_checkpoint, save_checkpoint
-from model.cpu import is_optimized_for_cpu
-from model.quantize import (
+from gptserve.model import GPT, ModelConfig, load_checkpoint, save_checkpoint
+from gptserve.model.cpu import is_optimized_for_cpu
+from gptserve.model.quantize import (
     MANY_ROWS,
     TILED_MANY_ROWS,
     Int8Linear,
@@ -107,7 +106,7 @@ def test_a_missing_or_broken_checkpoint_is_one_line(tmp_path: Path, tiny_checkpo
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
-    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    (broken / "gptserve.model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModelLoadError, match="unreadable or truncated") as err:
         load_for_inference(broken, device="cpu")
     assert "\n" not in str(err.value)

@@ -10,15 +10,15 @@ import copy
 
 import pytest
 import torch
+from gptserve.engine.adapters import NOT_FOUND, SLOTS_FULL, AdapterError
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import prepare_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.kernels import SdpaGatherBackend
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.model import GPT, ModelConfig
+from gptserve.model.lora.batched import install_lora
 
-from engine.adapters import NOT_FOUND, SLOTS_FULL, AdapterError
-from engine.engine import Engine, EngineConfig
-from engine.loader import prepare_for_inference
-from engine.sampler import SamplingParams
-from kernels import SdpaGatherBackend
-from kernels.paged_kv import KVPools
-from model import GPT, ModelConfig
-from model.lora.batched import install_lora
 from tests.lora_testing import greedy_with_logprobs, merged, random_adapter
 
 N_TOKENS = 5
@@ -51,7 +51,7 @@ def _engine(
     if backend != "cpu-paged":  # another attention backend than the CPU paged one
         if backend == "triton":
             pytest.importorskip("triton")
-            from kernels import TritonBackend
+            from gptserve.kernels import TritonBackend
 
             attention = TritonBackend()
         else:

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import prepare_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.kernels import SdpaGatherBackend
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.model import GPT, get_tokenizer, load_checkpoint
+from gptserve.model.lora.adapter import LoraAdapter
+from gptserve.model.lora.batched import install_lora
+from gptserve.model.lora.peft_format import read_peft
+from gptserve.model.quantize import quantize
 
-from engine.engine import Engine, EngineConfig
-from engine.loader import prepare_for_inference
-from engine.sampler import SamplingParams
-from kernels import SdpaGatherBackend
-from kernels.paged_kv import KVPools
-from model import GPT, get_tokenizer, load_checkpoint
-from model.lora.adapter import LoraAdapter
-from model.lora.batched import install_lora
-from model.lora.peft_format import read_peft
-from model.quantize import quantize
 from tests.lora_testing import random_adapter
 from tests.model.lora.hf_models import VOCAB, make_hf, randomize_lora_b
 

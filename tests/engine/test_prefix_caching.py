@@ -7,10 +7,9 @@ cache copies a shared block before a write, tested in tests/model/test_block_poo
 
 import pytest
 import torch
-
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, get_tokenizer
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig, get_tokenizer
 
 BLOCK = 4
 

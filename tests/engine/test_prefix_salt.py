@@ -7,12 +7,11 @@ import random
 
 import pytest
 import torch
-
-from engine.block_manager import BlockManager
-from engine.engine import Engine, EngineConfig
-from engine.errors import RequestError
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, get_tokenizer
+from gptserve.engine.block_manager import BlockManager
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.errors import RequestError
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig, get_tokenizer
 
 BLOCK = 4
 

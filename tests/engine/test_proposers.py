@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-
-from engine.block_manager import OutOfBlocks
-from engine.engine import Engine, EngineConfig
-from engine.proposers import DraftProposer, Speculator
-from engine.sampler import SamplingParams
-from engine.sequence import Sequence
-from model import GPT, ModelConfig, get_tokenizer
+from gptserve.engine.block_manager import OutOfBlocks
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.proposers import DraftProposer, Speculator
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sequence import Sequence
+from gptserve.model import GPT, ModelConfig, get_tokenizer
 
 
 @pytest.fixture(scope="module")

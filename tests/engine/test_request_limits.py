@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.engine import Engine, EngineConfig
-from engine.errors import RequestError
-from engine.limits import MIN_TEMPERATURE, AdmittedRequest, EngineLimits, FieldNames, RequestLimits
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, get_tokenizer
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.errors import RequestError
+from gptserve.engine.limits import (
+    MIN_TEMPERATURE,
+    AdmittedRequest,
+    EngineLimits,
+    FieldNames,
+    RequestLimits,
+)
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig, get_tokenizer
 
 ENGINE = EngineLimits(max_model_len=64, vocab_size=100, kv_block_size=16, kv_cache_blocks=3)
 CHAT = FieldNames("messages", "max_completion_tokens", "top_logprobs")

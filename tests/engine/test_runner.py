@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-from engine.block_manager import BlockManager, StepBlocks
-from engine.runner import ModelRunner
-from engine.sampler import SamplingParams
-from engine.sequence import Sequence
-from engine.step_plan import StepPlan
-from kernels.paged_kv import KVPools
-from model import ModelConfig, get_tokenizer
+from gptserve.engine.block_manager import BlockManager, StepBlocks
+from gptserve.engine.runner import ModelRunner
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sequence import Sequence
+from gptserve.engine.step_plan import StepPlan
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.model import ModelConfig, get_tokenizer
 
 TOK = get_tokenizer()
 VOCAB = 11

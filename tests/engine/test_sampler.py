@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
-from engine.errors import RequestError
-from engine.sampler import (
+from gptserve.engine.errors import RequestError
+from gptserve.engine.sampler import (
     SampleRow,
     SamplingParams,
     apply_penalties,

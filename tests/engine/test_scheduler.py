@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.block_manager import BlockManager
-from engine.sampler import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.step_plan import StepKind, StepPlan
-from model import get_tokenizer
+from gptserve.engine.block_manager import BlockManager
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.scheduler import Scheduler
+from gptserve.engine.sequence import Sequence
+from gptserve.engine.step_plan import StepKind, StepPlan
+from gptserve.model import get_tokenizer
 
 TOK = get_tokenizer()
 BLOCK = 4

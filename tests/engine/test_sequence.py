@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.sampler import SamplingParams
-from engine.sequence import Sequence
-from model import get_tokenizer
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sequence import Sequence
+from gptserve.model import get_tokenizer
 
 TOK = get_tokenizer()
 EOS = TOK.eot_token

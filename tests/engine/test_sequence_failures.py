@@ -6,12 +6,12 @@ whose code says it was that request's (engine.sequence), and counts as no failed
 """
 
 import torch
+from gptserve.engine import sampler as sampler_module
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.grammar import ConstraintViolation, compile_constraint
+from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR
 
-from engine import sampler as sampler_module
-from engine.engine import Engine, EngineConfig
-from engine.grammar import ConstraintViolation, compile_constraint
-from engine.sampler import SamplingParams
-from engine.sequence import GRAMMAR_ERROR, SEQUENCE_ERROR
 from tests.engine.test_engine import run
 
 
@@ -111,7 +111,7 @@ def test_a_sampler_row_fault_ends_its_request_alone(model, tok, monkeypatch):
             raise RuntimeError("a row the sampler cannot draw")
         return real(logits, rows, allowed)
 
-    monkeypatch.setattr("engine.engine.sample", fails_on_bias)
+    monkeypatch.setattr("gptserve.engine.engine.sample", fails_on_bias)
     engine, out = _engine_with_neighbour(model, tok, greedy(logit_bias={5: 1.0}))
     _assert_only_bad_failed(engine, out, expected, SEQUENCE_ERROR)
     assert "sampling failed" in out[("bad", 0)][-1].error

@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
-from engine.sampler import SampleRow, SamplingParams
-from engine.verify import propose_ngram, verify
+from gptserve.engine.sampler import SampleRow, SamplingParams
+from gptserve.engine.verify import propose_ngram, verify
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.block_manager import RELEASED, BlockManager
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig
+from gptserve.engine.block_manager import RELEASED, BlockManager
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig
 
 BS = 4  # tokens per KV block: a window of 8 spans blocks
 
@@ -76,7 +75,7 @@ def test_windowed_generation_past_the_window_holds_only_the_window(monkeypatch, 
     """Prompt 20, 60 new tokens, window 8: the full forward's tokens and logprobs, and after the
     prefill never more blocks than the window reaches (plus the one being written)."""
     monkeypatch.setenv("GPTSERVE_NATIVE", native)
-    from kernels.cpu.native import native_ops
+    from gptserve.kernels.cpu.native import native_ops
 
     native_ops.cache_clear()
     model = _model(window=8)

@@ -27,18 +27,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 assert "TRITON_INTERPRET" not in os.environ, "the interpreter must be off to compile"
 
+import gptserve.kernels.triton.flash as flash  # noqa: E402
+import gptserve.kernels.triton.paged as paged  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from gptserve.kernels.metadata import AttentionMetadata  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
-
-import kernels.triton.flash as flash  # noqa: E402
-import kernels.triton.paged as paged  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)

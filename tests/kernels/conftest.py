@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES
+
+from tests.kernels.kernel_testing import DEVICE, DTYPES
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -6,8 +6,7 @@ import os
 import random
 
 import torch
-
-from kernels.metadata import AttentionMetadata
+from gptserve.kernels.metadata import AttentionMetadata
 
 ON_CUDA = os.environ.get("GPTSERVE_TRITON_CUDA") == "1" and torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE
-
-from engine.engine import Engine, EngineConfig
-from kernels.backends import (
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.kernels.backends import (
     CpuPagedBackend,
     CpuPagedPlan,
     SdpaGatherBackend,
     TritonBackend,
     select_attention_backend,
 )
-from kernels.cpu.cascade import CascadePlan
-from kernels.cpu.native import paged_decode_op
-from kernels.metadata import KVWrite
-from kernels.paged_kv import KVPools
-from kernels.triton import available as triton_available
-from model import GPT, ModelConfig, get_tokenizer
+from gptserve.kernels.cpu.cascade import CascadePlan
+from gptserve.kernels.cpu.native import paged_decode_op
+from gptserve.kernels.metadata import KVWrite
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.kernels.triton import available as triton_available
+from gptserve.model import GPT, ModelConfig, get_tokenizer
+
 from tests.conftest import PagedCache
+from tests.kernels.kernel_testing import DEVICE
 
 
 def _model(n_layer: int = 3) -> GPT:

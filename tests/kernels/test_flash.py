@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
-from kernel_testing import TOLERANCE, rel_error  # noqa: E402
+from gptserve.kernels.reference import attention_reference  # noqa: E402
+from gptserve.kernels.triton.flash import triton_flash_attention  # noqa: E402
 
-from kernels.reference import attention_reference  # noqa: E402
-from kernels.triton.flash import triton_flash_attention  # noqa: E402
+from tests.kernels.kernel_testing import TOLERANCE, rel_error  # noqa: E402
 
 # (B, H, T, D, causal, blocks): blocks=None uses the tuned tiles, small tiles cross many
 # block boundaries with the interpreter's few programs; BLOCK_M != BLOCK_N puts fully masked

@@ -14,20 +14,20 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
-from kernel_testing import rel_error  # noqa: E402
+import gptserve.kernels.triton.flash  # noqa: E402
+from gptserve.kernels import AttentionBackend, CpuPagedBackend, SdpaGatherBackend, TritonBackend  # noqa: E402
+from gptserve.model import GPT, ModelConfig  # noqa: E402
+from gptserve.model import gpt as gpt_module  # noqa: E402
 
-import kernels.triton.flash  # noqa: E402
-from kernels import AttentionBackend, CpuPagedBackend, SdpaGatherBackend, TritonBackend  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
-from model import gpt as gpt_module  # noqa: E402
 from tests.conftest import PagedCache  # noqa: E402
+from tests.kernels.kernel_testing import rel_error  # noqa: E402
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> dict[str, int]:
     """Count calls that reach the Triton entry points, so a silent fallback cannot pass."""
-    import kernels.triton.flash
-    import kernels.triton.paged
+    import gptserve.kernels.triton.flash
+    import gptserve.kernels.triton.paged
 
     calls = {"flash": 0, "paged": 0}
 
@@ -40,8 +40,8 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
 
         monkeypatch.setattr(module, attr, wrapper)
 
-    counted(kernels.triton.flash, "triton_flash_attention", "flash")
-    counted(kernels.triton.paged, "triton_paged_attention", "paged")
+    counted(gptserve.kernels.triton.flash, "triton_flash_attention", "flash")
+    counted(gptserve.kernels.triton.paged, "triton_paged_attention", "paged")
     return calls
 
 
@@ -56,7 +56,9 @@ def _sdpa(q, k, v, causal=True, sm_scale=None):
 
 
 def _triton(q, k, v, causal=True, sm_scale=None):
-    return kernels.triton.flash.triton_flash_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    return gptserve.kernels.triton.flash.triton_flash_attention(
+        q, k, v, causal=causal, sm_scale=sm_scale
+    )
 
 
 def _route(monkeypatch, backend: str) -> None:

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 from functools import partial
 
+import gptserve.kernels.cpu.cascade as cascade
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import TOLERANCE, paged_batch, rel_error
+from gptserve.kernels import flash_attention
+from gptserve.kernels.backends import CpuPagedBackend, KVSpec, SdpaGatherBackend, TritonBackend
+from gptserve.kernels.cpu.cascade import plan_cascade, prefill_attention_cpu
+from gptserve.kernels.cpu.decode import decode_attention_cpu, plan_decode
+from gptserve.kernels.gqa import kv_group
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.reference import attention_reference, paged_attention_reference
+from gptserve.kernels.sdpa_paged import paged_attention_sdpa
+from gptserve.kernels.triton import available as triton_available
+from gptserve.model import GPT, ModelConfig
+from gptserve.model import gpt as gpt_module
 
-import kernels.cpu.cascade as cascade
-from kernels import flash_attention
-from kernels.backends import CpuPagedBackend, KVSpec, SdpaGatherBackend, TritonBackend
-from kernels.cpu.cascade import plan_cascade, prefill_attention_cpu
-from kernels.cpu.decode import decode_attention_cpu, plan_decode
-from kernels.gqa import kv_group
-from kernels.metadata import AttentionMetadata
-from kernels.reference import attention_reference, paged_attention_reference
-from kernels.sdpa_paged import paged_attention_sdpa
-from kernels.triton import available as triton_available
-from model import GPT, ModelConfig
-from model import gpt as gpt_module
+from tests.kernels.kernel_testing import TOLERANCE, paged_batch, rel_error
 
 GROUPS = [1, 3, 4, 8]
 HEAD_DIMS = [64, 128]
@@ -106,7 +106,9 @@ def test_flash_attention_takes_unexpanded_keys_and_values(group):
 
 def _triton(module: str):
     """A module of kernels.triton, or a skip where triton is not installed."""
-    return pytest.importorskip(f"kernels.triton.{module}", reason="triton is not installed")
+    return pytest.importorskip(
+        f"gptserve.kernels.triton.{module}", reason="triton is not installed"
+    )
 
 
 @BY_GROUP_AND_DIM

@@ -2,8 +2,7 @@
 (one token a sequence, computed in Python) and for a step with prefills (tensor operations)."""
 
 import torch
-
-from kernels.metadata import AttentionMetadata
+from gptserve.kernels.metadata import AttentionMetadata
 
 
 def _expected(tables, lens, new, block_size):

@@ -8,13 +8,13 @@ import os
 
 import pytest
 import torch
-from kernel_testing import TOLERANCE, paged_batch, rel_error
+from gptserve.kernels.backends import CpuPagedBackend, KVSpec
+from gptserve.kernels.cpu import native
+from gptserve.kernels.metadata import AttentionMetadata, KVWrite
+from gptserve.kernels.reference import paged_attention_reference
+from gptserve.model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
-from kernels.backends import CpuPagedBackend, KVSpec
-from kernels.cpu import native
-from kernels.metadata import AttentionMetadata, KVWrite
-from kernels.reference import paged_attention_reference
-from model.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
+from tests.kernels.kernel_testing import TOLERANCE, paged_batch, rel_error
 
 # a host that runs the tests has a C++ compiler; only GPTSERVE_NATIVE=0 turns the kernel off
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
@@ -154,7 +154,7 @@ def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(
         raise RuntimeError("error: no C++ compiler\nmore detail")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
+    with caplog.at_level(logging.WARNING, logger="gptserve.kernels.cpu.native"):
         assert native.native_ops.__wrapped__() is None
     assert "CPU kernels not built (error: no C++ compiler)" in caplog.text
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.cpu import native
-from model.activations import KERNEL_CODES
-from model.cpu.few_rows_linear import pack_tiles
+from gptserve.kernels.cpu import native
+from gptserve.model.activations import KERNEL_CODES
+from gptserve.model.cpu.few_rows_linear import pack_tiles
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
 

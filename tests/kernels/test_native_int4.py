@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from kernels.cpu import native
-from model.gguf.blocks import Int4Groups
-from model.int4_linear import Int4Linear, pack_tiles
+from gptserve.kernels.cpu import native
+from gptserve.model.gguf.blocks import Int4Groups
+from gptserve.model.int4_linear import Int4Linear, pack_tiles
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gptserve.kernels.cpu.native import native_ops
 
-from kernels.cpu.native import native_ops
 from tests.model.gguf.test_kquant_blocks import oracle, random_blocks
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="CPU kernels not built")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.sampler import SampleRow, SamplingParams, sample
-from kernels.cpu import native
+from gptserve.engine.sampler import SampleRow, SamplingParams, sample
+from gptserve.kernels.cpu import native
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.cpu import native
+from gptserve.kernels.cpu import native
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="GPTSERVE_NATIVE=0")
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
-from kernels.cpu import native
-from model.activations import KERNEL_CODES, activate
-from model.quantize import Int8Linear, pack_q8_tiles, q8_ops, quantize_rows
+from gptserve.kernels.cpu import native
+from gptserve.model.activations import KERNEL_CODES, activate
+from gptserve.model.quantize import Int8Linear, pack_q8_tiles, q8_ops, quantize_rows
 
 OPS = q8_ops(32, torch.device("cpu")) if native.enabled() else None
 pytestmark = pytest.mark.skipif(OPS is None, reason="no compiled vector kernels")

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
-from kernel_testing import TOLERANCE, paged_batch, rel_error  # noqa: E402
+from gptserve.kernels.reference import paged_attention_reference  # noqa: E402
+from gptserve.kernels.triton.paged import triton_paged_attention  # noqa: E402
 
-from kernels.reference import paged_attention_reference  # noqa: E402
-from kernels.triton.paged import triton_paged_attention  # noqa: E402
+from tests.kernels.kernel_testing import TOLERANCE, paged_batch, rel_error  # noqa: E402
 
 
 def _check(args, dtype, **kw):

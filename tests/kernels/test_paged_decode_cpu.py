@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import TOLERANCE, paged_batch, rel_error
+from gptserve.kernels.backends import CpuPagedBackend, KVSpec, SdpaGatherBackend, SdpaGatherPlan
+from gptserve.kernels.cpu.cascade import CascadePlan
+from gptserve.kernels.cpu.decode import DecodePlan, decode_attention_cpu, is_head_major, plan_decode
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.reference import paged_attention_reference
+from gptserve.kernels.sdpa_paged import GatherPlan
 
-from kernels.backends import CpuPagedBackend, KVSpec, SdpaGatherBackend, SdpaGatherPlan
-from kernels.cpu.cascade import CascadePlan
-from kernels.cpu.decode import DecodePlan, decode_attention_cpu, is_head_major, plan_decode
-from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_reference
-from kernels.sdpa_paged import GatherPlan
+from tests.kernels.kernel_testing import TOLERANCE, paged_batch, rel_error
 
 CTX = [1, 150, 9, 40, 16, 17]
 

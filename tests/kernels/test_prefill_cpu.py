@@ -5,18 +5,18 @@
 
 from __future__ import annotations
 
+import gptserve.kernels.cpu.cascade as prefill_cpu
+import gptserve.kernels.cpu.products as cpu_products
 import pytest
 import torch
-from kernel_testing import TOLERANCE, rel_error
+from gptserve.kernels.backends import CpuPagedBackend, KVSpec
+from gptserve.kernels.cpu.cascade import plan_cascade, prefill_attention_cpu
+from gptserve.kernels.cpu.decode import DecodePlan
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.reference import paged_attention_reference
+from gptserve.kernels.sdpa_paged import GatherPlan
 
-import kernels.cpu.cascade as prefill_cpu
-import kernels.cpu.products as cpu_products
-from kernels.backends import CpuPagedBackend, KVSpec
-from kernels.cpu.cascade import plan_cascade, prefill_attention_cpu
-from kernels.cpu.decode import DecodePlan
-from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_reference
-from kernels.sdpa_paged import GatherPlan
+from tests.kernels.kernel_testing import TOLERANCE, rel_error
 
 BS = 4
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import gptserve.kernels.sdpa_paged as sdpa_paged
 import pytest
 import torch
-from kernel_testing import TOLERANCE, paged_batch, rel_error
+from gptserve.kernels.backends import KVSpec, SdpaGatherBackend
+from gptserve.kernels.reference import paged_attention_reference
+from gptserve.kernels.sdpa_paged import paged_attention_sdpa
 
-import kernels.sdpa_paged as sdpa_paged
-from kernels.backends import KVSpec, SdpaGatherBackend
-from kernels.reference import paged_attention_reference
-from kernels.sdpa_paged import paged_attention_sdpa
+from tests.kernels.kernel_testing import TOLERANCE, paged_batch, rel_error
 
 CASES = {
     "decode": dict(ctx_lens=[1, 150, 9, 40], q_lens=[1, 1, 1, 1]),

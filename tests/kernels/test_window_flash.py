@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from kernel_testing import TOLERANCE, rel_error
+from gptserve.kernels import flash_attention
+from gptserve.kernels.reference import attention_reference
 
-from kernels import flash_attention
-from kernels.reference import attention_reference
+from tests.kernels.kernel_testing import TOLERANCE, rel_error
 
 
 def _inputs(B, H, H_kv, T, D, seed=0, Tk=None):
@@ -88,7 +88,7 @@ TRITON_CASES = [
 @pytest.mark.parametrize("H,H_kv,T,D,window,blocks", TRITON_CASES)
 def test_triton_flash_window_forward_backward(H, H_kv, T, D, window, blocks, dtype, device):
     pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
-    from kernels.triton.flash import triton_flash_attention
+    from gptserve.kernels.triton.flash import triton_flash_attention
 
     q, k, v = (t.to(device, dtype).requires_grad_() for t in _inputs(1, H, H_kv, T, D))
     out = triton_flash_attention(

@@ -13,20 +13,20 @@ import math
 
 import pytest
 import torch
-from kernel_testing import paged_batch, rel_error
-
-from kernels import (
+from gptserve.kernels import (
     CpuPagedBackend,
     SdpaGatherBackend,
     TritonBackend,
     paged_attention_reference,
     trim_to_window,
 )
-from kernels.cpu.native import native_ops
-from kernels.metadata import AttentionMetadata
-from kernels.paged_kv import KVPools
-from kernels.reference import attention_reference
-from kernels.window import skipped_blocks
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.kernels.metadata import AttentionMetadata
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.kernels.reference import attention_reference
+from gptserve.kernels.window import skipped_blocks
+
+from tests.kernels.kernel_testing import paged_batch, rel_error
 
 BS = 4  # slots per block
 # (context lengths, new tokens): decodes only, prefills (one from scratch), decodes then chunks

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.model import CheckpointError, ModelConfig, load_checkpoint
+from gptserve.model.checkpoint import save_checkpoint
+from gptserve.model.config import ConfigError
 
-from model import CheckpointError, ModelConfig, load_checkpoint
-from model.checkpoint import save_checkpoint
-from model.config import ConfigError
 from tests.model.test_hf_llama import greedy
 
 transformers = pytest.importorskip("transformers")

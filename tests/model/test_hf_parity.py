@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from model import load_checkpoint
+from gptserve.model import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

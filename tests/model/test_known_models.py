@@ -2,10 +2,9 @@
 
 from pathlib import Path
 
+import gptserve.model.known_models as known
 import pytest
-
-import model.known_models as known
-from model.known_models import DEFAULT_MODEL_NAME, FetchError, fetch_known_model
+from gptserve.model.known_models import DEFAULT_MODEL_NAME, FetchError, fetch_known_model
 
 
 @pytest.mark.timeout(600)

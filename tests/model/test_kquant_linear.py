@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gptserve.model.gguf.kquant_blocks import row_bytes
+from gptserve.model.kquant_linear import KQuantLinear, kquant_compiled
+from gptserve.model.quantize import is_quantized, keep_int8_kernel
 
-from model.gguf.kquant_blocks import row_bytes
-from model.kquant_linear import KQuantLinear, kquant_compiled
-from model.quantize import is_quantized, keep_int8_kernel
 from tests.model.gguf.test_kquant_blocks import oracle, random_blocks
 
 KINDS = ("Q5_K", "Q6_K")
@@ -67,7 +67,9 @@ def test_the_decoded_product_in_chunks_is_the_whole(
     layer.many_rows = 1  # always the decoded product
     x = torch.randn(6, 768, generator=torch.Generator().manual_seed(2))
     whole = layer(x)
-    monkeypatch.setattr("model.kquant_linear.CHUNK_ELEMENTS", 768 * 32)  # 32 rows at a time
+    monkeypatch.setattr(
+        "gptserve.model.kquant_linear.CHUNK_ELEMENTS", 768 * 32
+    )  # 32 rows at a time
     assert torch.equal(layer(x), whole)
     assert close(whole, x.double() @ weight.t())
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from model import GPT, SHAKESPEARE_DIR, ModelConfig, load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.cpu.isa import fast_bfloat16_products
-from model.quantize import (
+from gptserve.model import GPT, SHAKESPEARE_DIR, ModelConfig, load_checkpoint
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.cpu.isa import fast_bfloat16_products
+from gptserve.model.quantize import (
     MANY_ROWS,
     TILED_MANY_ROWS,
     Int8Embedding,
@@ -184,15 +183,15 @@ def test_bad_combinations_are_one_line_errors():
         check_quantization("int4", "cpu", torch.float32)
 
 
-@pytest.mark.parametrize("cli", ["server", "engine.cli"])
+@pytest.mark.parametrize("cli", ["server", "gptserve.engine.cli"])
 def test_the_clis_refuse_int8_in_float16_on_a_cpu_in_one_line(cli, capsys):
     flags = ["--quantize", "int8", "--dtype", "float16", "--device", "cpu"]
     if cli == "server":
-        from server.__main__ import main
+        from gptserve.server.cli import main
 
         code = main(flags + ["--port", "0"])
     else:
-        from engine.cli import main
+        from gptserve.engine.cli import main
 
         code = main(["hello", *flags])
     err = capsys.readouterr().err.strip()
@@ -206,7 +205,7 @@ def test_the_clis_refuse_int8_in_float16_on_a_cpu_in_one_line(cli, capsys):
 @pytest.fixture(scope="module")
 def held_out_windows(shakespeare_path, tmp_path_factory) -> torch.Tensor:
     """(16, 257) token windows spread evenly over the validation split that training used."""
-    from training.data import split_tokens, tokenize_cached
+    from gptserve.training.data import split_tokens, tokenize_cached
 
     config = ModelConfig.from_dict(json.loads((SHAKESPEARE_DIR / "config.json").read_text()))
     path = tokenize_cached([shakespeare_path], tmp_path_factory.mktemp("tokens"), progress=False)
@@ -265,7 +264,9 @@ def test_without_native_bfloat16_products_int8_keeps_its_kernel():
     assert layer.many_rows == (switch if fast_bfloat16_products() else None)
 
 
-@pytest.mark.parametrize("first", ["model.quantize", "model.cpu", "model.gguf.quantized"])
+@pytest.mark.parametrize(
+    "first", ["gptserve.model.quantize", "gptserve.model.cpu", "gptserve.model.gguf.quantized"]
+)
 def test_each_module_imports_first_in_a_fresh_process(first):
     # model.quantize and model.cpu import each other's names: either may be imported first
     done = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=REPO,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.reference import attention_reference
-from model import GPT, ModelConfig
+from gptserve.kernels.reference import attention_reference
+from gptserve.model import GPT, ModelConfig
 
 
 def _config(**kw) -> ModelConfig:
@@ -38,7 +37,7 @@ def test_full_forward_applies_the_window(monkeypatch):
         for block in plain.transformer.h:  # the same model through the reference, window 4
             block.attn.window = 4
         monkeypatch.setattr(
-            "model.gpt.flash_attention",
+            "gptserve.model.gpt.flash_attention",
             lambda q, k, v, causal=True, window=None: attention_reference(q, k, v, window=window),
         )
         want = plain(idx)

@@ -15,11 +15,10 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-
-from engine.engine import Engine
-from server.app import create_app
-from server.runtime import LoadedModel, ServerState, load_model
-from server.settings import Settings
+from gptserve.engine.engine import Engine
+from gptserve.server.app import create_app
+from gptserve.server.runtime import LoadedModel, ServerState, load_model
+from gptserve.server.settings import Settings
 
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-gpt"

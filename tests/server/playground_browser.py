@@ -1,4 +1,4 @@
-"""The playground's browser harness: a real `python -m server`, headless Chromium through
+"""The playground's browser harness: a real `gptserve serve`, headless Chromium through
 playwright, and the HTTP helpers the playground tests check the page against.
 
 Needs Debian's `chromium` at /usr/bin/chromium and the Python `playwright` package (its own
@@ -49,9 +49,18 @@ needs_chromium = pytest.mark.skipif(
 def run_server(
     model_dir: Path, log_path: Path, *extra: str, startup_timeout: float = STARTUP_TIMEOUT
 ) -> Iterator[str]:
-    """`python -m server` on a free port; yields its base URL and always stops it."""
+    """`gptserve serve` on a free port; yields its base URL and always stops it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptserve.server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        *extra,
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -80,7 +89,7 @@ def run_server(
 @contextmanager
 def serve_with_key(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`checkpoint` served with --api-key KEY (a test module's `server_url` fixture)."""
-    log = tmp_path_factory.mktemp("playground") / "server.log"
+    log = tmp_path_factory.mktemp("playground") / "gptserve.server.log"
     with run_server(checkpoint, log, "--api-key", KEY) as url:
         yield url
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from gptserve.engine.limits import RequestLimits
 
-from engine.limits import RequestLimits
 from tests.server.conftest import LiveServer
 
 

@@ -1,4 +1,4 @@
-"""`python -m server` as a process: one-line errors with exit 2, and a SIGTERM drain that exits 0."""
+"""`gptserve serve` as a process: one-line errors with exit 2, and a SIGTERM drain that exits 0."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.model import get_tokenizer
+from gptserve.server.chat.templates import ChatTemplate, ChatTemplateError
+from gptserve.server.settings import Settings, SettingsError, build_parser, settings_from_args
 
-from model import get_tokenizer
-from server.chat.templates import ChatTemplate, ChatTemplateError
-from server.settings import Settings, SettingsError, build_parser, settings_from_args
 from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server", *args],
+        [sys.executable, "-m", "gptserve.server", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -39,7 +39,7 @@ def test_missing_bundled_model_is_one_line_exit_2() -> None:
     code = (
         "import sys, model; from pathlib import Path; "
         f"model.SHAKESPEARE_DIR = Path({missing!r}); "
-        "from server.__main__ import main; sys.exit(main(['--model', 'shakespeare', '--port', '1']))"
+        "from server.cli import main; sys.exit(main(['--model', 'shakespeare', '--port', '1']))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
@@ -86,19 +86,19 @@ def test_a_taken_port_is_one_line_exit_2_before_loading() -> None:
     assert out.stderr.count("\n") == 1 and "in use" in out.stderr
 
 
-# `python -m server` whose checkpoint load waits until a file appears (at most 60 s)
+# `gptserve serve` whose checkpoint load waits until a file appears (at most 60 s)
 GATED_SERVER = """
 import sys, time
 from pathlib import Path
-import engine.loader
-real = engine.loader.load_checkpoint
+import gptserve.engine.loader as loader
+real = loader.load_checkpoint
 def gated(*args, **kwargs):
     deadline = time.monotonic() + 60
     while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return real(*args, **kwargs)
-engine.loader.load_checkpoint = gated
-from server.__main__ import main
+loader.load_checkpoint = gated
+from gptserve.server.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -241,7 +241,7 @@ def test_a_follow_up_turn_starts_with_the_tokens_generated_before() -> None:
 def test_sigterm_drains_stream_and_exits_0(tiny_checkpoint: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--port", str(port), "--shutdown-grace", "120"],
+        [sys.executable, "-m", "gptserve.server", "--model", str(tiny_checkpoint), "--port", str(port), "--shutdown-grace", "120"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

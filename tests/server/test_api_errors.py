@@ -6,9 +6,9 @@ import json
 
 import httpx
 import pytest
+from gptserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from gptserve.server.responses.request import ResponsesRequest
 
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.responses.request import ResponsesRequest
 from tests.server.conftest import MODEL_NAME, LiveServer
 
 C, H, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"

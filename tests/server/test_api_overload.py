@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from gptserve.server.settings import Settings
 
-from server.settings import Settings
 from tests.server.conftest import MODEL_NAME, LiveServer, live_server, slow_steps, wait_until
 
 

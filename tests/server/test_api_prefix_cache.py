@@ -6,8 +6,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.server.settings import Settings, settings_from_args
 
-from server.settings import Settings, settings_from_args
 from tests.server.conftest import live_server
 
 # 70 tokens of GPT-2 BPE: four full 16-token blocks, then 5 of the last 6 tokens from (a copy of)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.server.settings import Settings, SettingsError
 
-from server.settings import Settings, SettingsError
 from tests.server.conftest import live_server
 
 PROMPT = "one two three four five six seven eight " * 4  # text that repeats: lookups find it

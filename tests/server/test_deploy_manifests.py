@@ -19,13 +19,13 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (it comes wit
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[ray]')")
 
+from gptserve.server.ray.cli import build_app, parse_app_args  # noqa: E402
+from gptserve.server.ray.deployment import DEPLOYMENT_NAME  # noqa: E402
+from gptserve.server.ray.proxy_middleware import PROXY_CALLBACK  # noqa: E402
+from gptserve.server.settings import Settings  # noqa: E402
 from ray.scripts.scripts import start as ray_start_command  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from server.ray.cli import build_app, parse_app_args  # noqa: E402
-from server.ray.deployment import DEPLOYMENT_NAME  # noqa: E402
-from server.ray.proxy_middleware import PROXY_CALLBACK  # noqa: E402
-from server.settings import Settings  # noqa: E402
 from tests.server.k8s_schemas import K8S_KINDS  # noqa: E402
 from tests.server.ray_schemas import RAY_SERVICE, SERVE_CONFIG  # noqa: E402
 
@@ -219,7 +219,7 @@ def test_each_serve_config_builds_this_projects_application(
     ServeDeploySchema.model_validate(config)  # Ray's own types and values
     for app in config["applications"]:
         builder = resolve(app["import_path"])
-        assert callable(builder) and builder.__module__.startswith("server.ray"), name
+        assert callable(builder) and builder.__module__.startswith("gptserve.server.ray"), name
         settings, options = parse_app_args(app.get("args") or {})
         options.deployment_options(settings)
         assert type(build_app(app.get("args") or {})).__name__ == "Application"

@@ -20,10 +20,10 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
+from gptserve.engine.limits import RequestLimits
+from gptserve.server.embeddings_api import encode_base64
+from gptserve.server.settings import Settings
 
-from engine.limits import RequestLimits
-from server.embeddings_api import encode_base64
-from server.settings import Settings
 from tests.model.test_hf_llama import VOCAB, make
 from tests.server.conftest import API_KEY, MODEL_NAME, live_server, slow_steps
 from tests.server.test_hf_models_served import (

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.model.gpt import GPT
+from gptserve.server.settings import Settings, settings_from_args
 
-from model.gpt import GPT
-from server.settings import Settings, settings_from_args
 from tests.server.conftest import free_port, live_server, wait_for_server, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,16 +131,16 @@ def test_a_transient_fault_fails_its_request_and_the_server_keeps_serving(
         assert live.state.async_engine.consecutive_failed_steps == 0
 
 
-# `python -m server` whose model's every step raises
+# `gptserve serve` whose model's every step raises
 STICKY_FAULT_SERVER = """
 import sys
-import model.gpt
+import gptserve.model.gpt as gpt_module
 
 def broken(self, *args, **kwargs):
     raise RuntimeError("injected sticky fault")
 
-model.gpt.GPT.forward_cached = broken
-from server.__main__ import main
+gpt_module.GPT.forward_cached = broken
+from gptserve.server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -185,7 +185,7 @@ def test_the_flags_parse() -> None:
 
 def test_rays_health_check_fails_for_an_unhealthy_engine(tiny_checkpoint: Path) -> None:
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed")
-    from server.ray.deployment import Replica, ScaleOptions
+    from gptserve.server.ray.deployment import Replica, ScaleOptions
 
     settings = Settings(model=str(tiny_checkpoint), max_consecutive_failed_steps=1)
     with live_server(settings) as live:

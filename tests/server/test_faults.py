@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gptserve.kernels.paged_kv import KVPools
+from gptserve.server.runtime import LoadedModel, ModelLoadError
+from gptserve.server.settings import Settings
 
-from kernels.paged_kv import KVPools
-from server.runtime import LoadedModel, ModelLoadError
-from server.settings import Settings
 from tests.server.conftest import (
     API_KEY,
     MODEL_NAME,
@@ -210,7 +210,7 @@ def test_preemptions_are_counted_in_metrics_and_logged(
         httpx.get(f"{url}/metrics", timeout=10).text, "gptserve_preemptions_total"
     )
     body = {"prompt": [1] * 10, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="gptserve.engine.engine"):
         with ThreadPoolExecutor(3) as pool:
             answers = list(
                 pool.map(

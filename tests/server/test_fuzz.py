@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 import schemathesis
+from gptserve.server.settings import Settings
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -27,7 +28,6 @@ from schemathesis.checks import (
 from schemathesis.core.transport import Response
 from schemathesis.generation import GenerationMode
 
-from server.settings import Settings
 from tests.server.conftest import API_KEY, LiveServer, live_server
 
 MAX_EXAMPLES = 25

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gptserve.model.tokenizers import HFTokenizer
+from gptserve.server.chat.templates import load_chat_format
+from gptserve.server.settings import Settings
 
-from model.tokenizers import HFTokenizer
-from server.chat.templates import load_chat_format
-from server.settings import Settings
 from tests.model.test_hf_gemma_phi3 import VOCAB, make
 from tests.server.conftest import live_server
 from tests.server.test_hf_models_served import save_word_tokenizer, transformers_greedy

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.server.settings import Settings
 
-from server.settings import Settings
 from tests.server.conftest import live_server
 
 KEY_A, KEY_B = "key-streams", "key-attacks"

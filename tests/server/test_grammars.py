@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.server.settings import Settings
 
-from server.settings import Settings
 from tests.server.conftest import LiveServer, live_server
 
 # a JSON object with two known keys, as GBNF (llama.cpp's json.gbnf, cut down to stay short)

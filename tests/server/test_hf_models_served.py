@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gptserve.server.settings import Settings
 
-from server.settings import Settings
 from tests.model.test_hf_llama import VOCAB, make
 from tests.server.conftest import live_server
 

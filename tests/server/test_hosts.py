@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.server.hosts import host_allowed, host_name, is_loopback
+from gptserve.server.settings import Settings
 
-from server.hosts import host_allowed, host_name, is_loopback
-from server.settings import Settings
 from tests.conftest import REPO
 from tests.server.conftest import free_port, live_server, wait_for_server
 
@@ -70,7 +70,7 @@ def test_a_rebound_name_is_refused_and_a_loopback_name_answered(tiny_checkpoint:
 @pytest.mark.timeout(120)
 def test_an_open_non_loopback_bind_warns_at_start(tiny_checkpoint: Path) -> None:
     port = free_port()
-    args = [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--host", "0.0.0.0",
+    args = [sys.executable, "-m", "gptserve.server", "--model", str(tiny_checkpoint), "--host", "0.0.0.0",
             "--port", str(port), "--shutdown-grace", "1"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:

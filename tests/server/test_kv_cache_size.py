@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from model import GPT, ModelConfig, save_checkpoint
-from server.metrics import Metrics
-from server.runtime import ServerState
-from server.settings import Settings, build_parser
+from gptserve.model import GPT, ModelConfig, save_checkpoint
+from gptserve.server.metrics import Metrics
+from gptserve.server.runtime import ServerState
+from gptserve.server.settings import Settings, build_parser
 
 
 @pytest.mark.parametrize("kv_cache_dtype, itemsize", [("auto", 4), ("float16", 2), ("bfloat16", 2)])
@@ -28,7 +27,7 @@ def test_metrics_and_the_startup_line_give_the_kv_bytes_a_token(
     metrics = Metrics()
     settings = Settings(model=str(tmp_path / "gqa"), max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
     state = ServerState(settings, metrics)
-    with caplog.at_level(logging.INFO, logger="server.runtime"):
+    with caplog.at_level(logging.INFO, logger="gptserve.server.runtime"):
         state.start_loading().join(120)
     try:
         assert state.ready, state.load_error
@@ -61,7 +60,7 @@ def test_kv_cache_gb_sets_the_pool_and_the_default_follows_the_context(tmp_path:
 
 
 def test_a_cpu_pool_takes_memory_as_it_is_written() -> None:
-    from kernels.backends import zeroed_pool
+    from gptserve.kernels.backends import zeroed_pool
 
     def resident() -> int:
         with open("/proc/self/statm") as f:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.server.settings import LIMITS_GROUP, Settings, build_parser
 
-from server.settings import LIMITS_GROUP, Settings, build_parser
 from tests.server.conftest import MODEL_NAME, LiveServer, live_server, slow_steps
 
 REPO = Path(__file__).resolve().parents[2]

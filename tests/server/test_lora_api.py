@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gptserve.model import GPT, ModelConfig, get_tokenizer, load_checkpoint
+from gptserve.model.lora.peft_format import write_peft
+from gptserve.server.runtime import ModelLoadError, load_model
+from gptserve.server.settings import Settings, SettingsError, settings_from_args
 
-from model import GPT, ModelConfig, get_tokenizer, load_checkpoint
-from model.lora.peft_format import write_peft
-from server.runtime import ModelLoadError, load_model
-from server.settings import Settings, SettingsError, settings_from_args
 from tests.lora_testing import greedy_with_logprobs, merged, random_adapter
 from tests.server.conftest import API_KEY, MODEL_NAME, live_server, slow_steps, wait_until
 
@@ -55,7 +55,7 @@ def live(tiny_checkpoint: Path, dirs: dict[str, Path]):
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoint: Path, dirs: dict[str, Path]):
     """name -> the float model with that adapter merged (None: the base)."""
-    from model.lora.peft_format import read_peft
+    from gptserve.model.lora.peft_format import read_peft
 
     base: GPT = load_checkpoint(tiny_checkpoint)
     models = {None: merged(base, None)}

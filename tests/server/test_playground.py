@@ -1,4 +1,4 @@
-"""The playground page (GET /) driven in headless Chromium against a real `python -m server`:
+"""The playground page (GET /) driven in headless Chromium against a real `gptserve serve`:
 the page itself and its completion tab (the chat tab: test_playground_chat.py).
 """
 
@@ -260,8 +260,9 @@ def test_bad_json_schema_is_shown_next_to_the_box(page: Page, schema: str, messa
 def test_the_model_select_lists_lora_adapters_and_runs_the_chosen_one(
     browser: Browser, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from model import load_checkpoint
-    from model.lora.peft_format import write_peft
+    from gptserve.model import load_checkpoint
+    from gptserve.model.lora.peft_format import write_peft
+
     from tests.lora_testing import random_adapter
     from tests.server.playground_browser import run_server
 
@@ -269,7 +270,9 @@ def test_the_model_select_lists_lora_adapters_and_runs_the_chosen_one(
     config = load_checkpoint(tiny_checkpoint).config
     write_peft(random_adapter(config, "tuned"), root / "tuned", config, "tiny-gpt")
     lora = ("--lora", f"tuned={root / 'tuned'}")
-    with run_server(tiny_checkpoint, root / "server.log", *lora) as url:  # no key: listed at once
+    with run_server(
+        tiny_checkpoint, root / "gptserve.server.log", *lora
+    ) as url:  # no key: listed at once
         with open_page(browser, url, tab="completion") as page:
             options = page.locator("#model-select option")
             expect(options).to_have_text(["tiny-gpt", "tuned (LoRA adapter of tiny-gpt)"])

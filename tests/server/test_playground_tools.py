@@ -1,4 +1,4 @@
-"""The playground's chat with tools, in headless Chromium against a real `python -m server`: the
+"""The playground's chat with tools, in headless Chromium against a real `gptserve serve`: the
 tools box goes out as `tools`, streamed tool calls show in the answer's bubble and go back with
 the next turn, and a malformed tools box is reported next to it."""
 

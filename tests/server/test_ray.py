@@ -44,8 +44,8 @@ serve = pytest.importorskip(
     "ray.serve", reason="Ray Serve is not installed (pip install -e '.[ray]')"
 )
 
-from server.ray.cli import main, parse_app_args, parse_cli  # noqa: E402
-from server.ray.deployment import (  # noqa: E402
+from gptserve.server.ray.cli import main, parse_app_args, parse_cli  # noqa: E402
+from gptserve.server.ray.deployment import (  # noqa: E402
     DEPLOYMENT_NAME,
     REPLICA_HEADER,
     MetricsMirror,
@@ -55,8 +55,9 @@ from server.ray.deployment import (  # noqa: E402
     replica_id,
     wait_loaded,
 )
-from server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV, OpenAIErrors  # noqa: E402
-from server.settings import Settings, SettingsError  # noqa: E402
+from gptserve.server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV, OpenAIErrors  # noqa: E402
+from gptserve.server.settings import Settings, SettingsError  # noqa: E402
+
 from tests.conftest import save_tiny_gpt  # noqa: E402
 from tests.server.conftest import API_KEY, free_port, wait_for_server  # noqa: E402
 
@@ -379,9 +380,9 @@ def test_a_replica_is_ready_once_loaded_and_fails_on_a_load_error() -> None:
 
 
 def test_cli_serves_and_stops_on_sigterm(long_checkpoint: Path, headers: dict) -> None:
-    """`python -m server.ray` starts a Ray of its own, serves, and exits 0 on SIGTERM."""
+    """`gptserve ray` starts a Ray of its own, serves, and exits 0 on SIGTERM."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server.ray.cli", "--model", str(long_checkpoint), "--port",
+    cmd = [sys.executable, "-m", "gptserve.server.ray.cli", "--model", str(long_checkpoint), "--port",
            str(port), "--replicas", "1", "--num-cpus", "0.5", "--api-key", API_KEY]  # fmt: skip
     env = {**os.environ, **RAY_ENV}
     # its own process group, as under a service manager: SIGTERM reaches it alone

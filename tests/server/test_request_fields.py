@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
+from gptserve.model.tokenizers import get_tokenizer
+from gptserve.server.chat.templates import ChatTemplate
+from gptserve.server.request_fields import IGNORED_WARNING
 
-from model.tokenizers import get_tokenizer
-from server.chat.templates import ChatTemplate
-from server.request_fields import IGNORED_WARNING
 from tests.server.conftest import LiveServer
 
 COMPLETION = ("/v1/completions", {"prompt": "x", "max_tokens": 2})
@@ -107,7 +107,7 @@ CHAT_HONOURED_ANYWAY = {
 def test_values_that_ask_for_what_the_server_does_are_accepted_without_a_warning(
     server: LiveServer, headers: dict, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="server.request_fields"):
+    with caplog.at_level(logging.WARNING, logger="gptserve.server.request_fields"):
         r = send(server, headers, COMPLETION, **HONOURED_ANYWAY)
         assert r.status_code == 200, r.text
         r = send(server, headers, CHAT, **HONOURED_ANYWAY, **CHAT_HONOURED_ANYWAY)
@@ -129,7 +129,7 @@ def test_true_is_not_one_and_ignore_eos_writes_special_tokens(
 def test_unknown_fields_are_ignored_with_one_warning_line_naming_them(
     server: LiveServer, headers: dict, endpoint: tuple, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="server.request_fields"):
+    with caplog.at_level(logging.WARNING, logger="gptserve.server.request_fields"):
         r = send(server, headers, endpoint, frobnicate=1, service_tier="flex", store=False)
     assert r.status_code == 200, r.text
     lines = ignored_lines(caplog)
@@ -145,7 +145,7 @@ def test_the_warning_stays_one_short_line_for_many_or_hostile_names(
     extra = {f"junk{i:02d}": i for i in range(40)}
     extra["x\nERROR forged line"] = 1
     extra["y" * 500] = 1
-    with caplog.at_level(logging.WARNING, logger="server.request_fields"):
+    with caplog.at_level(logging.WARNING, logger="gptserve.server.request_fields"):
         r = send(server, headers, COMPLETION, **extra)
     assert r.status_code == 200, r.text
     (line,) = ignored_lines(caplog)

@@ -18,9 +18,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from gptserve.server.settings import Settings
 from openai import OpenAI
 
-from server.settings import Settings
 from tests.server.chat.tools.test_tools import (  # noqa: F401 (fixtures)
     WEATHER,
     chatml_checkpoint,
@@ -412,7 +412,7 @@ TOKENS = [_entry(t) for t in ("Let", " me", " check", "<tool", "_call>", "{}")]
 def test_a_messages_logprobs_are_its_own_tokens_not_the_calls(
     chatml: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from server.responses import api
+    from gptserve.server.responses import api
 
     assert api.message_logprobs(TOKENS, "Let me check") == TOKENS[:3]  # the whole answer's
     assert api.message_logprobs(TOKENS, "") == []
@@ -549,10 +549,10 @@ def test_accepted_values_of_unsupported_fields_and_unknown_fields(chatml: LiveSe
 def test_an_error_after_the_stream_started_is_an_error_event(
     chatml: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from server.responses import api
+    from gptserve.server.responses import api
 
     async def failing(accepted: Any) -> Any:  # noqa: ANN401
-        from server.errors import APIError
+        from gptserve.server.errors import APIError
 
         yield {"delta": {"content": "a"}, "finish_reason": None}
         raise APIError(503, "the engine failed this request: boom", code="engine_error")
@@ -566,7 +566,7 @@ def test_an_error_after_the_stream_started_is_an_error_event(
 
 
 def test_the_store_drops_the_least_recently_used_by_count_and_by_bytes() -> None:
-    from server.responses.store import ResponseStore
+    from gptserve.server.responses.store import ResponseStore
 
     def body(i: int, size: int = 10) -> dict:
         return {"id": f"resp_{i}", "pad": "x" * size}

@@ -9,15 +9,15 @@ from pathlib import Path
 import httpx
 import torch
 import torch.nn.functional as F
+from gptserve.model import SHAKESPEARE_DIR, get_tokenizer, load_checkpoint
 
-from model import SHAKESPEARE_DIR, get_tokenizer, load_checkpoint
 from tests.server.conftest import free_port, wait_for_server
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shakespeare_model_is_small_and_trained(shakespeare_path: Path) -> None:
-    weights = SHAKESPEARE_DIR / "model.safetensors"
+    weights = SHAKESPEARE_DIR / "gptserve.model.safetensors"
     assert weights.stat().st_size < 64 * 2**20
     model = load_checkpoint(SHAKESPEARE_DIR, dtype=torch.float32)
     tok = get_tokenizer(model.config.tokenizer)
@@ -35,7 +35,7 @@ def test_shakespeare_model_is_small_and_trained(shakespeare_path: Path) -> None:
 def test_python_m_server_serves_the_shakespeare_model(shakespeare_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", "shakespeare", "--port", str(port)],
+        [sys.executable, "-m", "gptserve.server", "--model", "shakespeare", "--port", str(port)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

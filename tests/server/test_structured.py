@@ -21,14 +21,14 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.grammar import Constraint, compile_constraint
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, SHAKESPEARE_DIR, Tokenizer, get_tokenizer, load_checkpoint
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.server.settings import Settings
 from openai import OpenAI
 
-from engine.engine import Engine, EngineConfig
-from engine.grammar import Constraint, compile_constraint
-from engine.sampler import SamplingParams
-from model import GPT, SHAKESPEARE_DIR, Tokenizer, get_tokenizer, load_checkpoint
-from model.cpu import optimize_for_cpu
-from server.settings import Settings
 from tests.schemas import BOUNDED_MAX_TOKENS, BOUNDED_SCHEMAS, CHOICES, REGEXES
 from tests.server.conftest import API_KEY, LiveServer, live_server
 

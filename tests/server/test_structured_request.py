@@ -4,11 +4,10 @@ its field (the HTTP cases, as 400s, are in test_structured.py)."""
 from __future__ import annotations
 
 import pytest
-
-from engine.errors import RequestError
-from model import get_tokenizer
-from server.protocol import CompletionRequest
-from server.structured_request import (
+from gptserve.engine.errors import RequestError
+from gptserve.model import get_tokenizer
+from gptserve.server.protocol import CompletionRequest
+from gptserve.server.structured_request import (
     constraint_from_fields,
     constraint_from_request,
 )

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gptserve.model.tokenizers import get_tokenizer
+from gptserve.server.settings import Settings, SettingsError, settings_from_args
+from gptserve.server.tenancy import key_tenant, request_cache_salt
 
-from model.tokenizers import get_tokenizer
-from server.settings import Settings, SettingsError, settings_from_args
-from server.tenancy import key_tenant, request_cache_salt
 from tests.server.conftest import LiveServer, live_server
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"

@@ -13,11 +13,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from gptserve.model import GPT, ModelConfig
+from gptserve.training.cli import leave
+from gptserve.training.step import LossModule, make_optimizer, train_step
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from model import GPT, ModelConfig
-from train import leave
-from training.step import LossModule, make_optimizer, train_step
 
 CONFIG = ModelConfig(vocab_size=512, block_size=16, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_ROWS = 4  # rows per micro-batch over all ranks

@@ -16,12 +16,12 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-import train  # noqa: E402
-from training.checkpointing import STATE_FILE  # noqa: E402
+from gptserve.training import cli as train  # noqa: E402
+from gptserve.training.checkpointing import STATE_FILE  # noqa: E402
 
-CHECKPOINT_FILES = {"model.safetensors", "config.json", STATE_FILE}
+CHECKPOINT_FILES = {"gptserve.model.safetensors", "config.json", STATE_FILE}
 
 
 def main() -> int:

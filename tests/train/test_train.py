@@ -14,19 +14,19 @@ import sys
 import time
 from pathlib import Path
 
-import ddp_worker
+import gptserve.training.data as training_data
 import numpy as np
 import pytest
 import torch
+from gptserve.model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
+from gptserve.training import cli as train
+from gptserve.training.args import parse_config
+from gptserve.training.checkpointing import BEST_DIR, STATE_FILE
+from gptserve.training.data import find_text_files, tokenize_cached
+from gptserve.training.step import LossModule, lr_at, make_optimizer
 from safetensors.torch import load_file
 
-import train
-import training.data
-from model import GPT, ModelConfig, get_tokenizer, load_checkpoint, save_checkpoint
-from training.args import parse_config
-from training.checkpointing import BEST_DIR, STATE_FILE
-from training.data import find_text_files, tokenize_cached
-from training.step import LossModule, lr_at, make_optimizer
+from tests.train import ddp_worker
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -117,7 +117,7 @@ def test_loss_falls_on_shakespeare(trained: Path) -> None:
 def test_output_loads_generates_and_matches_training_state(trained: Path) -> None:
     state = torch.load(trained / STATE_FILE, weights_only=True)
     assert state["step"] == 40
-    served = load_file(str(trained / "model.safetensors"))
+    served = load_file(str(trained / "gptserve.model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in served.values())  # --save-dtype bfloat16
     assert state["model"]["transformer.wte.weight"].dtype == torch.float32  # resume keeps fp32
     torch.testing.assert_close(
@@ -192,8 +192,8 @@ def test_sigkill_then_resume_gives_the_same_loss_curve(
         assert {k: v for k, v in ra.items() if k != "tokens_per_s"} == {
             k: v for k, v in rb.items() if k != "tokens_per_s"
         }
-    sa = load_file(str(full / "model.safetensors"))
-    sb = load_file(str(killed / "model.safetensors"))
+    sa = load_file(str(full / "gptserve.model.safetensors"))
+    sb = load_file(str(killed / "gptserve.model.safetensors"))
     assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
 
 
@@ -340,7 +340,7 @@ def test_tokenize_cache_is_reused_and_keyed_on_content(
     def boom(name: str) -> None:
         raise AssertionError("re-tokenized unchanged data")
 
-    monkeypatch.setattr(training.data, "get_tokenizer", boom)
+    monkeypatch.setattr(training_data, "get_tokenizer", boom)
     assert tokenize_cached(files, tmp_path / "cache", progress=False) == path
     monkeypatch.undo()
     (folder / "b.txt").write_text("Changed document, other size.\n")
@@ -442,7 +442,7 @@ def test_init_from_hugging_face_gpt2_then_resume(
     state = torch.load(out / STATE_FILE, weights_only=True)
     assert state["args"]["n_embd"] == 64 and state["args"]["block_size"] == 32
     # Resuming needs neither the HF directory nor the architecture flags.
-    (tmp_path / "hf" / "model.safetensors").unlink()
+    (tmp_path / "hf" / "gptserve.model.safetensors").unlink()
     assert run_main(["--out", str(out), "--resume", "--max-steps", "4"], capsys) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     assert load_checkpoint(out).config.n_layer == 2

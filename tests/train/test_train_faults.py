@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import train
-from model import load_checkpoint
-from training.checkpointing import BEST_DIR, STATE_FILE
+from gptserve.model import load_checkpoint
+from gptserve.training import cli as train
+from gptserve.training.checkpointing import BEST_DIR, STATE_FILE
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.loader import load_for_inference
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig, load_checkpoint
+from gptserve.training import cli as train
+from gptserve.training.checkpointing import STATE_FILE
 
-import train
-from engine.engine import Engine, EngineConfig
-from engine.loader import load_for_inference
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, load_checkpoint
 from tests.train.test_train_llama import BOS, EOS, _byte_level_tokenizer, losses
-from training.checkpointing import STATE_FILE
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """train.py with Llama-shaped models: `--arch llama` from scratch, `--init-from` a Hugging Face
 Llama directory (fine-tuning with its own tokenizer), `--resume` of both, and their outputs served.
 
-"Served" means what `python -m server --model DIR` does with the directory: load_checkpoint, the
+"Served" means what `gptserve serve --model DIR` does with the directory: load_checkpoint, the
 tokenizer the config names (from DIR), and generation through the engine over the paged KV cache,
 which must give the greedy tokens of the plain full forward. In-process runs of tiny models on a
 slice of Shakespeare.
@@ -16,20 +16,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, ModelConfig, load_checkpoint
+from gptserve.model.tokenizers import HFTokenizer, load_tokenizer
+from gptserve.training import cli as train
+from gptserve.training.args import parse_config
+from gptserve.training.checkpointing import BEST_DIR, STATE_FILE, TOKENIZER_FILES
+from gptserve.training.config import llama_mlp_width
+from gptserve.training.data import token_dtype, tokenize_cached
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-import train
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import GPT, ModelConfig, load_checkpoint
-from model.tokenizers import HFTokenizer, load_tokenizer
 from tests.conftest import byte_level_bpe
 from tests.train.conftest import metric_rows
-from training.args import parse_config
-from training.checkpointing import BEST_DIR, STATE_FILE, TOKENIZER_FILES
-from training.config import llama_mlp_width
-from training.data import token_dtype, tokenize_cached
 
 LLAMA = [
     "--arch", "llama", "--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "32",
@@ -126,7 +126,7 @@ def test_llama_loss_falls_and_the_output_is_llama_shaped(llama_run: Path) -> Non
         tokenizer="gpt2", block_size=32,
     )  # fmt: skip
     assert {k: config[k] for k in expected} == expected
-    weights = load_file(str(llama_run / "model.safetensors"))
+    weights = load_file(str(llama_run / "gptserve.model.safetensors"))
     assert weights["transformer.h.0.mlp.c_fc.weight"].shape == (2 * 128, 64)  # gate and up
     assert not any(k.endswith(".bias") for k in weights)  # Llama has no biases
 
@@ -154,7 +154,7 @@ def test_gqa_llama_resumes_exactly(gqa_runs: list[Path]) -> None:
     whole, resumed = gqa_runs
     rows = [metric_rows(out) for out in (whole, resumed)]
     assert [r["step"] for r in rows[0]] == list(range(1, 7)) and rows[0] == rows[1]
-    a, b = (load_file(str(out / "model.safetensors")) for out in gqa_runs)
+    a, b = (load_file(str(out / "gptserve.model.safetensors")) for out in gqa_runs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     state = torch.load(resumed / STATE_FILE, weights_only=True)
     assert state["args"]["arch"] == "llama" and state["args"]["n_kv_head"] == 2

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.model import load_checkpoint
+from gptserve.model.lora.merge import merge_into
+from gptserve.model.lora.peft_format import read_peft
+from gptserve.training import cli as train
+from gptserve.training.checkpointing import BEST_DIR, MERGED_DIR, STATE_FILE, TOKENIZER_FILES
 from safetensors.torch import load_file
 from tokenizers import processors
 
-import train
-from model import load_checkpoint
-from model.lora.merge import merge_into
-from model.lora.peft_format import read_peft
 from tests.conftest import byte_level_bpe
 from tests.model.lora.hf_models import make_hf
 from tests.train.conftest import metric_rows
-from training.checkpointing import BEST_DIR, MERGED_DIR, STATE_FILE, TOKENIZER_FILES
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -247,9 +247,9 @@ def test_resume_keeps_the_adapter_and_a_new_run_keeps_off_it(
 )
 def test_the_trained_forward_is_the_merged_adapter(arch: str, targets: tuple[str, ...]) -> None:
     """What training optimizes (LoraLinear's forward) is what the written adapter computes."""
-    from model import GPT
-    from training.config import TrainConfig
-    from training.lora import adapter_of, inject_lora, merge_lora, resolve_targets
+    from gptserve.model import GPT
+    from gptserve.training.config import TrainConfig
+    from gptserve.training.lora import adapter_of, inject_lora, merge_lora, resolve_targets
 
     config = TrainConfig(out=Path("o"), data=Path("d"), arch=arch, n_layer=2, n_head=4,
                          n_embd=32, n_kv_head=2 if arch == "llama" else None,

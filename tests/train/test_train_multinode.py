@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.training.checkpointing import STATE_FILE
+from gptserve.training.distributed import SHARED_STORE_WARNING, shared_store_breaks_restarts
 from safetensors.torch import load_file
-
-from training.checkpointing import STATE_FILE
-from training.distributed import SHARED_STORE_WARNING, shared_store_breaks_restarts
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 60
@@ -185,8 +184,8 @@ def test_killed_worker_is_restarted_and_the_run_resumes(
     for ra, rb in zip(a, b):
         ra.pop("tokens_per_s"), rb.pop("tokens_per_s")
         assert ra == rb
-    sa = load_file(str(reference / "model.safetensors"))
-    sb = load_file(str(out / "model.safetensors"))
+    sa = load_file(str(reference / "gptserve.model.safetensors"))
+    sb = load_file(str(out / "gptserve.model.safetensors"))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 

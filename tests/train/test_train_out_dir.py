@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import train
-from training.checkpointing import STATE_FILE
+from gptserve.training import cli as train
+from gptserve.training.checkpointing import STATE_FILE
 
 FAST = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16",
         "--batch-size", "4", "--eval-iters", "1", "--sample-tokens", "0",

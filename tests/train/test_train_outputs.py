@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import train
-from training.args import parse_config
-from training.checkpointing import STATE_FILE
+from gptserve.training import cli as train
+from gptserve.training.args import parse_config
+from gptserve.training.checkpointing import STATE_FILE
 
 TRAINING = Path(__file__).resolve().parents[2] / "training"
 TINY = [
@@ -136,16 +135,16 @@ def test_loss_png_is_redrawn_at_every_eval(
     data: list[str], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("matplotlib")
-    import training.loop
+    import gptserve.training.loop as training_loop
 
     drawn: list[list[int]] = []
-    real_plot = training.loop.plot_losses
+    real_plot = training_loop.plot_losses
 
     def plot(metrics: Path, target: Path) -> None:
         drawn.append([json.loads(line)["step"] for line in metrics.read_text().splitlines()])
         real_plot(metrics, target)
 
-    monkeypatch.setattr(training.loop, "plot_losses", plot)
+    monkeypatch.setattr(training_loop, "plot_losses", plot)
     run([*data, "--out", str(tmp_path), *TINY, "--max-steps", "5", "--eval-interval", "2"], capsys)
     assert drawn == [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]  # evals at 2, 4 and the last step
     assert png_size(tmp_path / "loss.png") == (700, 400)
@@ -158,7 +157,7 @@ def test_no_loss_png_without_matplotlib(
     run([*data, "--out", str(tmp_path), *TINY, "--max-steps", "2", "--eval-interval", "1"], capsys)
     assert not (tmp_path / "loss.png").exists()
     assert [json.loads(line)["step"] for line in metrics_lines(tmp_path)] == [1, 2]
-    assert (tmp_path / "model.safetensors").is_file()
+    assert (tmp_path / "gptserve.model.safetensors").is_file()
 
 
 def test_resume_auto_starts_then_continues(

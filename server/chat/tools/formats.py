@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from server.chat.templates import ChatFormat, JinjaChat
+from gptserve.server.chat.templates import ChatFormat, JinjaChat
 
 # templates of the Llama 3 family: their headers, and the tag 3.1 opens built-in calls with
 _LLAMA3_MARKERS = ("<|start_header_id|>", "<|python_tag|>")

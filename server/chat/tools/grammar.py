@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.grammar import JSON_OPTIONS
-from server.chat.tools.formats import ToolCallFormat
+from gptserve.engine.grammar import JSON_OPTIONS
+from gptserve.server.chat.tools.formats import ToolCallFormat
 
 Mode = Literal["auto", "required"]
 

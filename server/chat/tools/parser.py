@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.chat.tools.formats import ToolCallFormat
+from gptserve.server.chat.tools.formats import ToolCallFormat
 
 _WHITESPACE = " \t\r\n"
 

@@ -18,10 +18,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from server.chat.tools.formats import ToolCallFormat
-from server.chat.tools.request import ToolRequest
-from server.errors import bad_request
-from server.protocol import ChatMessage, ToolCall
+from gptserve.server.chat.tools.formats import ToolCallFormat
+from gptserve.server.chat.tools.request import ToolRequest
+from gptserve.server.errors import bad_request
+from gptserve.server.protocol import ChatMessage, ToolCall
 
 
 @dataclass(frozen=True)

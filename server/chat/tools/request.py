@@ -13,13 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.grammar import Constraint, GrammarError, compile_constraint
-from model.tokenizers import Tokenizer
-from server.chat.tools.bounds import bounded_schema
-from server.chat.tools.formats import ToolCallFormat
-from server.chat.tools.grammar import FunctionGrammar, tool_call_grammar
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from gptserve.engine.grammar import Constraint, GrammarError, compile_constraint
+from gptserve.model.tokenizers import Tokenizer
+from gptserve.server.chat.tools.bounds import bounded_schema
+from gptserve.server.chat.tools.formats import ToolCallFormat
+from gptserve.server.chat.tools.grammar import FunctionGrammar, tool_call_grammar
+from gptserve.server.errors import bad_request
+from gptserve.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
 MAX_TOOLS = 128

@@ -4,12 +4,12 @@ requests of different lengths decoded together, with or without LoRA adapters.""
 from collections.abc import Sequence
 
 import torch
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import GPT, get_tokenizer
+from gptserve.model.lora.adapter import LoraAdapter
+from gptserve.model.lora.batched import LoraBank, install_lora
 
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import GPT, get_tokenizer
-from model.lora.adapter import LoraAdapter
-from model.lora.batched import LoraBank, install_lora
 from tests.lora_testing import random_adapter
 
 

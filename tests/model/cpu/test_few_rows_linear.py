@@ -6,18 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
-from kernels.cpu import native
-from model import GPT
-from model.config import ModelConfig
-from model.cpu import optimize_for_cpu
-from model.cpu.few_rows_linear import (
+from gptserve.kernels.cpu import native
+from gptserve.model import GPT
+from gptserve.model.config import ModelConfig
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.cpu.few_rows_linear import (
     HEAD_FEW_ROWS,
     LAYER_FEW_ROWS,
     FewRowsLinear,
     compiled_tiles,
 )
-from model.cpu.onednn_linear import OneDnnLinear
+from gptserve.model.cpu.onednn_linear import OneDnnLinear
 
 OPS = native.native_ops() if native.enabled() else None
 pytestmark = pytest.mark.skipif(not compiled_tiles(OPS), reason="no compiled vector kernels")

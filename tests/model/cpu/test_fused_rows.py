@@ -2,16 +2,15 @@
 
 import pytest
 import torch
-
-from kernels.cpu.native import enabled, native_ops
-from model import GPT
-from model.config import ModelConfig
-from model.cpu import optimize_for_cpu
-from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU, install_fused_rows
-from model.gguf.blocks import Int4Groups
-from model.gpt import MLP
-from model.int4_linear import Int4Linear
-from model.rmsnorm import RMSNorm
+from gptserve.kernels.cpu.native import enabled, native_ops
+from gptserve.model import GPT
+from gptserve.model.config import ModelConfig
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU, install_fused_rows
+from gptserve.model.gguf.blocks import Int4Groups
+from gptserve.model.gpt import MLP
+from gptserve.model.int4_linear import Int4Linear
+from gptserve.model.rmsnorm import RMSNorm
 
 pytestmark = pytest.mark.skipif(not enabled(), reason="GPTSERVE_NATIVE=0")
 

@@ -5,16 +5,16 @@ step it does not suit left to that path."""
 
 import pytest
 import torch
+from gptserve.kernels.cpu import native
+from gptserve.model import GPT
+from gptserve.model.config import ModelConfig
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
+from gptserve.model.cpu.llama_layer import FusedLlamaBlock
+from gptserve.model.gguf.blocks import Int4Groups
+from gptserve.model.gpt import Block
+from gptserve.model.int4_linear import Int4Linear
 
-from kernels.cpu import native
-from model import GPT
-from model.config import ModelConfig
-from model.cpu import optimize_for_cpu
-from model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
-from model.cpu.llama_layer import FusedLlamaBlock
-from model.gguf.blocks import Int4Groups
-from model.gpt import Block
-from model.int4_linear import Int4Linear
 from tests.model.cpu.engine_runs import decode_together, with_adapters
 
 OPS = native.native_ops() if native.enabled() else None

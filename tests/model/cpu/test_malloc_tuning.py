@@ -2,8 +2,7 @@ import sys
 
 import pytest
 import torch
-
-from model.cpu.malloc_tuning import retain_freed_memory
+from gptserve.model.cpu.malloc_tuning import retain_freed_memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")

@@ -3,8 +3,7 @@ import platform
 import pytest
 import torch
 import torch.nn as nn
-
-from model.cpu.onednn_linear import OneDnnLinear, keep_rows_alike
+from gptserve.model.cpu.onednn_linear import OneDnnLinear, keep_rows_alike
 
 # x86-64 builds of PyTorch ship oneDNN: there the fast path must be found, never skipped quietly
 X86_WITH_ONEDNN = platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available()

@@ -2,15 +2,14 @@
 
 import pytest
 import torch
-
-from model import GPT, save_checkpoint
-from model.checkpoint import CheckpointError
-from model.config import ModelConfig
-from model.cpu import is_optimized_for_cpu, optimize_for_cpu
-from model.cpu.few_rows_linear import FewRowsLinear
-from model.cpu.onednn_linear import OneDnnLinear
-from model.cpu.optimize import FusedMLP
-from model.quantize import quantize
+from gptserve.model import GPT, save_checkpoint
+from gptserve.model.checkpoint import CheckpointError
+from gptserve.model.config import ModelConfig
+from gptserve.model.cpu import is_optimized_for_cpu, optimize_for_cpu
+from gptserve.model.cpu.few_rows_linear import FewRowsLinear
+from gptserve.model.cpu.onednn_linear import OneDnnLinear
+from gptserve.model.cpu.optimize import FusedMLP
+from gptserve.model.quantize import quantize
 
 
 @pytest.mark.parametrize("tie, activation", [(True, "gelu"), (False, "gelu"), (True, "relu")])
@@ -108,7 +107,7 @@ def test_an_optimized_model_refuses_to_be_saved(tmp_path):
     optimize_for_cpu(model, threads=2)
     with pytest.raises(CheckpointError, match="optimized for CPU inference"):
         save_checkpoint(model, tmp_path / "packed")
-    assert not (tmp_path / "packed" / "model.safetensors").exists()
+    assert not (tmp_path / "packed" / "gptserve.model.safetensors").exists()
 
 
 def test_a_model_on_another_device_or_already_optimized_is_returned_unchanged():

@@ -1,9 +1,8 @@
 import pytest
 import torch
 import torch.nn as nn
-
-from model.cpu.onednn_linear import OneDnnLinear
-from model.cpu.packed_linear import PackedLinear, pack_linears
+from gptserve.model.cpu.onednn_linear import OneDnnLinear
+from gptserve.model.cpu.packed_linear import PackedLinear, pack_linears
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
@@ -42,7 +41,7 @@ def test_pack_linears_replaces_nested_linears(dtype):
 
 
 def test_slab_count_is_one_per_thread_until_a_slab_would_exceed_the_cap():
-    from model.cpu.packed_linear import SLAB_BYTES, slab_count
+    from gptserve.model.cpu.packed_linear import SLAB_BYTES, slab_count
 
     small = nn.Linear(64, 64)
     assert slab_count(small, 2) == 2

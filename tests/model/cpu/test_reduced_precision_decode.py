@@ -1,15 +1,14 @@
-"""Decoding through the Engine in bfloat16 and with int8 weights, as `python -m server` loads them:
+"""Decoding through the Engine in bfloat16 and with int8 weights, as `gptserve serve` loads them:
 the KV cache, the attention, the sampler and a tied embedding all run, and the engine's greedy
 tokens and logprobs are those of the same model's full forward."""
 
 import pytest
 import torch
-
-from engine.engine import Engine, EngineConfig
-from engine.sampler import SamplingParams
-from model import SHAKESPEARE_DIR, get_tokenizer, load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.quantize import quantize
+from gptserve.engine.engine import Engine, EngineConfig
+from gptserve.engine.sampler import SamplingParams
+from gptserve.model import SHAKESPEARE_DIR, get_tokenizer, load_checkpoint
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.quantize import quantize
 
 PROMPTS = [
     "PAROLLES.\nNoble heroes, my sword and yours are kin. Good sparks and\n",

@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from model import CheckpointError, load_checkpoint
-from model.gguf.checkpoint import unpermute_rows
-from model.gguf.kquant_blocks import quantize
-from model.known_models import fetch_known_model
-from model.tokenizers import load_tokenizer
+from gptserve.model import CheckpointError, load_checkpoint
+from gptserve.model.gguf.checkpoint import unpermute_rows
+from gptserve.model.gguf.kquant_blocks import quantize
+from gptserve.model.known_models import fetch_known_model
+from gptserve.model.tokenizers import load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -215,8 +214,8 @@ def test_the_real_files_tokenizer_matches_transformers() -> None:
 
 
 def test_the_real_file_answers_paris() -> None:
-    from model.gguf.checkpoint import read_metadata
-    from server.chat.templates import JinjaChatTemplate
+    from gptserve.model.gguf.checkpoint import read_metadata
+    from gptserve.server.chat.templates import JinjaChatTemplate
 
     path = fetch_known_model("smollm2-135m-instruct")
     model, tok = load_checkpoint(path), load_tokenizer("gguf", path)

@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from model import load_checkpoint
-from model.tokenizers import load_tokenizer
-from server.chat.templates import load_chat_format
+from gptserve.model import load_checkpoint
+from gptserve.model.tokenizers import load_tokenizer
+from gptserve.server.chat.templates import load_chat_format
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -181,9 +180,9 @@ def test_chat_template_comes_from_the_file(files: Path) -> None:
 def test_served_file_generates_transformers_greedy_tokens(files: Path) -> None:
     """The F32 file as the server loads it (the file's own bits, the CPU wing) through the engine
     over the paged cache, a batch of two, past the window."""
-    from engine.engine import Engine, EngineConfig
-    from engine.loader import load_for_inference
-    from engine.sampler import SamplingParams
+    from gptserve.engine.engine import Engine, EngineConfig
+    from gptserve.engine.loader import load_for_inference
+    from gptserve.engine.sampler import SamplingParams
 
     loaded = load_for_inference(files / "gemma3-F32.gguf", device="cpu")
     ref = reference(files, "F32")

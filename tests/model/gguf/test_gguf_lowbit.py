@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from gptserve.kernels.cpu.native import native_ops
+from gptserve.model import CheckpointError, load_checkpoint
+from gptserve.model.cpu import optimize_for_cpu
+from gptserve.model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
+from gptserve.model.gguf.blocks import int4_groups, q8_0_split_groups
+from gptserve.model.gguf.checkpoint import RawTensor
+from gptserve.model.gguf.quantized import StackedLinear, linear_module
+from gptserve.model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
+from gptserve.model.int4_linear import Int4Linear
+from gptserve.model.known_models import fetch_known_model
+from gptserve.model.kquant_linear import KQuantLinear, kquant_compiled
+from gptserve.model.quantize import Int8Linear, is_quantized, keep_int8_kernel, quantize_rows
+from gptserve.model.tokenizers import load_tokenizer
 
-from kernels.cpu.native import native_ops
-from model import CheckpointError, load_checkpoint
-from model.cpu import optimize_for_cpu
-from model.cpu.fused_rows import FusedRMSNorm, FusedSwiGLU
-from model.gguf.blocks import int4_groups, q8_0_split_groups
-from model.gguf.checkpoint import RawTensor
-from model.gguf.quantized import StackedLinear, linear_module
-from model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
-from model.int4_linear import Int4Linear
-from model.known_models import fetch_known_model
-from model.kquant_linear import KQuantLinear, kquant_compiled
-from model.quantize import Int8Linear, is_quantized, keep_int8_kernel, quantize_rows
-from model.tokenizers import load_tokenizer
 from tests.model.gguf.test_gguf import CASES, k_quant_bytes, write_gguf
 from tests.model.gguf.test_kquant_blocks import random_blocks
 
@@ -94,7 +94,7 @@ def test_packing_in_chunks_is_packing_at_once(monkeypatch: pytest.MonkeyPatch) -
     data = quantized("Q4_1", 200, 128)
     groups = int4_groups(data, "Q4_1", (200, 128))
     whole = Int4Linear(groups, op_dtype=torch.float32)
-    monkeypatch.setattr("model.int4_linear.PACK_ROWS", 64)
+    monkeypatch.setattr("gptserve.model.int4_linear.PACK_ROWS", 64)
     chunked = Int4Linear(groups, op_dtype=torch.float32)
     assert torch.equal(whole.weight, chunked.weight)
 
@@ -231,7 +231,7 @@ def test_cpu_wing_leaves_low_bit_layers_alone(tmp_path: Path) -> None:
 
 
 def test_the_loader_keeps_a_gguf_files_bits_unless_asked(tmp_path: Path) -> None:
-    from engine.loader import load_for_inference
+    from gptserve.engine.loader import load_for_inference
 
     path = tmp_path / "llama-q4.gguf"
     write_gguf(path, "llama", "Q4_0")
@@ -296,10 +296,10 @@ def test_smollm2_with_k_quant_layers_at_their_bits_agrees_with_its_float_weights
 ) -> None:
     """SmolLM2's FFN down matrices (1536 inputs: whole super-blocks; its others have 576)
     requantized to `kind`, at their own bits against the same file's weights in float32."""
-    from model.gguf.checkpoint import dequantized_state, read_gguf
-    from model.gguf.kquant_blocks import quantize
-    from model.gguf.quantized import build_low_bit_gpt, float_rows
-    from model.gpt import GPT
+    from gptserve.model.gguf.checkpoint import dequantized_state, read_gguf
+    from gptserve.model.gguf.kquant_blocks import quantize
+    from gptserve.model.gguf.quantized import build_low_bit_gpt, float_rows
+    from gptserve.model.gpt import GPT
 
     source = read_gguf(smollm2)
     for name, raw in source.tensors.items():
@@ -332,9 +332,9 @@ def test_smollm2_with_k_quant_layers_at_their_bits_agrees_with_its_float_weights
 MEMORY_PROBE = """
 import gc, json, sys
 import gguf, tokenizers  # libraries' code is not the model's memory
-from engine.loader import load_for_inference
-from model.cpu.malloc_tuning import release_freed_memory
-from model.tokenizers import load_tokenizer
+from gptserve.engine.loader import load_for_inference
+from gptserve.model.cpu.malloc_tuning import release_freed_memory
+from gptserve.model.tokenizers import load_tokenizer
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -380,8 +380,8 @@ def test_smollm2_serves_in_little_more_memory_than_its_file(smollm2: Path) -> No
 
 
 def test_smollm2_at_its_bits_answers_paris(smollm2: Path) -> None:
-    from model.gguf.checkpoint import read_metadata
-    from server.chat.templates import JinjaChatTemplate
+    from gptserve.model.gguf.checkpoint import read_metadata
+    from gptserve.server.chat.templates import JinjaChatTemplate
 
     model, tok = load_checkpoint(smollm2, low_bit=True), load_tokenizer("gguf", smollm2)
     template = JinjaChatTemplate(read_metadata(smollm2)["tokenizer.chat_template"])

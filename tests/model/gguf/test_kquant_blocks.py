@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from model.gguf.kquant_blocks import BLOCK_BYTES, dequantize, quantize, row_bytes
+from gptserve.model.gguf.kquant_blocks import BLOCK_BYTES, dequantize, quantize, row_bytes
 
 gguf = pytest.importorskip("gguf")
 KINDS = ("Q5_K", "Q6_K")

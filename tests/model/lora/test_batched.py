@@ -8,16 +8,16 @@ import copy
 
 import pytest
 import torch
-
-from engine.loader import prepare_for_inference
-from model import GPT, ModelConfig
-from model.lora.adapter import LoraPiece
-from model.lora.batched import (
+from gptserve.engine.loader import prepare_for_inference
+from gptserve.model import GPT, ModelConfig
+from gptserve.model.lora.adapter import LoraPiece
+from gptserve.model.lora.batched import (
     LoraLinear,
     LoraRankError,
     LoraShapeError,
     install_lora,
 )
+
 from tests.lora_testing import random_adapter
 
 LLAMA = dict(

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
-from model.lora.adapter import LoraAdapter, LoraPiece
-from model.lora.merge import merge_into
+from gptserve.model.lora.adapter import LoraAdapter, LoraPiece
+from gptserve.model.lora.merge import merge_into
 
 
 def test_merged_layer_computes_the_low_rank_update_on_its_slice() -> None:

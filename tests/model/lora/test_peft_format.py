@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gptserve.model import load_checkpoint
+from gptserve.model.lora.adapter import LoraAdapter, LoraPiece
+from gptserve.model.lora.merge import merge_into
+from gptserve.model.lora.modules import target_slices
+from gptserve.model.lora.peft_format import AdapterError, BaseMismatchError, read_peft, write_peft
 
-from model import load_checkpoint
-from model.lora.adapter import LoraAdapter, LoraPiece
-from model.lora.merge import merge_into
-from model.lora.modules import target_slices
-from model.lora.peft_format import AdapterError, BaseMismatchError, read_peft, write_peft
 from tests.model.lora.hf_models import make_hf, randomize_lora_b, tokens
 
 peft = pytest.importorskip("peft")
@@ -147,8 +147,8 @@ def test_a_piece_over_part_of_the_layers_and_across_modules(tmp_path: Path) -> N
     write_peft(adapter, tmp_path / "a", config, base_name=None)
     written = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert sorted(written["target_modules"]) == [
-        "model.layers.0.self_attn.k_proj",
-        "model.layers.0.self_attn.q_proj",
+        "gptserve.model.layers.0.self_attn.k_proj",
+        "gptserve.model.layers.0.self_attn.q_proj",
     ]
     loaded = peft.PeftModel.from_pretrained(make_hf("llama", tmp_path / "hf"), tmp_path / "a")
     idx = tokens()
@@ -197,8 +197,8 @@ def test_an_adapter_for_another_architecture_or_size_is_refused(tmp_path: Path) 
 
 def test_a_geglu_model_is_named_and_sliced_as_the_llama_family() -> None:
     """Gemma 3's gated MLP: c_fc holds the gate, then up; its modules have Llama's names."""
-    from model import ModelConfig
-    from model.lora.modules import hf_modules
+    from gptserve.model import ModelConfig
+    from gptserve.model.lora.modules import hf_modules
 
     gemma = ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, intermediate_size=48,
                         bias=False, pos_encoding="rotary", norm="gemma_rmsnorm",

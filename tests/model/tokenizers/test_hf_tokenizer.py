@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from gptserve.model.tokenizers import HFTokenizer, load_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from model.tokenizers import HFTokenizer, load_tokenizer
 from tests.conftest import byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -129,7 +129,7 @@ def test_end_tokens_and_bos(byte_level_dir: Path, sentencepiece_dir: Path) -> No
 
 
 def test_a_broken_tokenizer_file_is_one_clear_error(tmp_path: Path) -> None:
-    from model.tokenizers import TokenizerError
+    from gptserve.model.tokenizers import TokenizerError
 
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="cannot load"):

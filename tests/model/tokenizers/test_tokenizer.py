@@ -1,9 +1,8 @@
 """GPT-2 BPE built offline: known ids, whole-corpus round trip, streaming detokenization."""
 
 import pytest
-
-from model import get_tokenizer
-from model.tokenizers import TokenizerError
+from gptserve.model import get_tokenizer
+from gptserve.model.tokenizers import TokenizerError
 
 
 @pytest.fixture(scope="module")

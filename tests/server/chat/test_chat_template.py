@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from gptserve.server.chat.templates import ChatTemplateError, JinjaChatTemplate
 from tokenizers import Tokenizer, models
-
-from server.chat.templates import ChatTemplateError, JinjaChatTemplate
 
 # ChatML as Qwen, SmolLM2 and Hermes write it, with a default system turn and tools in <tools>
 CHATML = (

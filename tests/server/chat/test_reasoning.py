@@ -12,10 +12,10 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from gptserve.server.chat.reasoning import FORMATS, ReasoningSplitter, default_format, split
+from gptserve.server.settings import Settings
 from tokenizers import AddedToken
 
-from server.chat.reasoning import FORMATS, ReasoningSplitter, default_format, split
-from server.settings import Settings
 from tests.conftest import byte_level_bpe
 from tests.server.conftest import LiveServer, live_server
 

@@ -8,13 +8,17 @@ import random
 
 import jsonschema
 import pytest
-
-from engine.grammar import GrammarError, compile_constraint
-from model.tokenizers import get_tokenizer
-from server.chat.tools.bounds import MAX_ITEMS, MAX_MAGNITUDE, MAX_STRING_CHARS, bounded_schema
-from server.chat.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
-from server.chat.tools.grammar import FunctionGrammar, tool_call_grammar
-from server.chat.tools.parser import ToolCallParser
+from gptserve.engine.grammar import GrammarError, compile_constraint
+from gptserve.model.tokenizers import get_tokenizer
+from gptserve.server.chat.tools.bounds import (
+    MAX_ITEMS,
+    MAX_MAGNITUDE,
+    MAX_STRING_CHARS,
+    bounded_schema,
+)
+from gptserve.server.chat.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
+from gptserve.server.chat.tools.grammar import FunctionGrammar, tool_call_grammar
+from gptserve.server.chat.tools.parser import ToolCallParser
 
 TOK = get_tokenizer()
 WEATHER = {
@@ -162,8 +166,8 @@ def test_a_grammar_that_does_not_build_is_a_grammar_error() -> None:
 
 @pytest.mark.parametrize("parallel", [None, True, False])
 def test_a_named_function_allows_exactly_one_call(parallel: bool | None) -> None:
-    from server.chat.tools.request import read_tools
-    from server.protocol import ChatCompletionRequest
+    from gptserve.server.chat.tools.request import read_tools
+    from gptserve.server.protocol import ChatCompletionRequest
 
     tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]  # fmt: skip
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools,

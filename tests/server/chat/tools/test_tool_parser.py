@@ -6,9 +6,8 @@ import json
 import random
 
 import pytest
-
-from server.chat.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
-from server.chat.tools.parser import ToolCallParser
+from gptserve.server.chat.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
+from gptserve.server.chat.tools.parser import ToolCallParser
 
 WEATHER = '{"city":"Os\\"lo}","days":[1,{"a":[2]}]}'
 HERMES_TEXT = (

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from model.tokenizers import get_tokenizer
-from server.chat.templates import ChatTemplate, JinjaChat, JinjaChatTemplate
-from server.chat.tools.formats import HERMES, LLAMA3_JSON, format_for_template
-from server.chat.tools.prompt import chat_messages
-from server.chat.tools.request import read_tools
-from server.protocol import ChatCompletionRequest
+from gptserve.model.tokenizers import get_tokenizer
+from gptserve.server.chat.templates import ChatTemplate, JinjaChat, JinjaChatTemplate
+from gptserve.server.chat.tools.formats import HERMES, LLAMA3_JSON, format_for_template
+from gptserve.server.chat.tools.prompt import chat_messages
+from gptserve.server.chat.tools.request import read_tools
+from gptserve.server.protocol import ChatCompletionRequest
 
 # ChatML that renders tools, calls and results as Qwen's template does
 CHATML_TOOLS = (

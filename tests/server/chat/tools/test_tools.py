@@ -18,11 +18,11 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from gptserve.model import GPT, ModelConfig, save_checkpoint
+from gptserve.server.settings import Settings
 from openai import OpenAI
 from tokenizers import AddedToken
 
-from model import GPT, ModelConfig, save_checkpoint
-from server.settings import Settings
 from tests.conftest import byte_level_bpe, save_tiny_gpt
 from tests.server.conftest import LiveServer, live_server
 
