@@ -310,7 +310,7 @@ def main() -> int:
         model = Path(args.model) if args.model else make_model(Path(tmp))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        log_path = Path(args.log) if args.log else Path(tmp) / "gptserve.server.log"
+        log_path = Path(args.log) if args.log else Path(tmp) / "server.log"
         cmd = [
             sys.executable, "-m", "gptserve.server", "--model", str(model), "--port", str(port),
             "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "gptserve.model.safetensors"
+WEIGHTS_FILE = "model.safetensors"
 HF_BIN_FILE = "pytorch_model.bin"
 _HF_TRANSPOSED = (
     "attn.c_attn.weight",

@@ -31,13 +31,9 @@ DEFAULTS: dict[str, Any] = dict(
 )  # fmt: skip
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 _NULLABLE = ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling", "layer_types")
-_TEXT_PREFIXES = (
-    "gptserve.model.language_model.",
-    "language_model.model.",
-    "model.",
-)  # -> "model."
-_SKIPPED_PREFIXES = ("vision_tower.", "gptserve.model.vision_tower.", "multi_modal_projector.",
-                     "gptserve.model.multi_modal_projector.")  # fmt: skip
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")  # -> "model."
+_SKIPPED_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                     "model.multi_modal_projector.")  # fmt: skip
 
 
 def text_config(raw: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -133,7 +129,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
 
 def _text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The language model's tensors under "model." (and "lm_head."), the vision tower's
-    dropped: a multimodal checkpoint names them "gptserve.model.language_model." or
+    dropped: a multimodal checkpoint names them "model.language_model." or
     "language_model.model."."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -163,7 +159,7 @@ def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         "attn.k_norm": "self_attn.k_norm",
     }
     for i in range(config.n_layer):
-        src, dst = f"gptserve.model.layers.{i}.", f"transformer.h.{i}."
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
         qkv = [need(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
         out[dst + "attn.c_attn.weight"] = torch.cat(qkv)  # (nh + 2 n_kv) * hs rows, q first
         out[dst + "attn.c_proj.weight"] = need(f"{src}self_attn.o_proj.weight")

@@ -31,7 +31,7 @@ LLAMA_FAMILY = (
 )
 GEMMA = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # model.hf_gemma
 SUPPORTED = ("GPT2LMHeadModel", *LLAMA_FAMILY, *GEMMA)
-INDEX_FILE = "gptserve.model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def architecture(raw: dict[str, Any]) -> str:
@@ -174,7 +174,7 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{index} is not a safetensors index: {exc}") from None
         files = sorted(set(weight_map.values()))
     else:
-        files = ["gptserve.model.safetensors"]
+        files = ["model.safetensors"]
     state: dict[str, torch.Tensor] = {}
     for name in files:
         path = directory / name
@@ -203,8 +203,8 @@ def embedding_and_head(
 ) -> dict[str, torch.Tensor]:
     """Our token table, final norm and (untied) head from a Hugging Face decoder's names."""
     out = {
-        "transformer.wte.weight": need("gptserve.model.embed_tokens.weight"),
-        "transformer.ln_f.weight": need("gptserve.model.norm.weight"),
+        "transformer.wte.weight": need("model.embed_tokens.weight"),
+        "transformer.ln_f.weight": need("model.norm.weight"),
     }
     if not config.tie_embeddings:
         out["lm_head.weight"] = need("lm_head.weight")
@@ -215,9 +215,9 @@ def state_from_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     """Hugging Face Llama-family tensor names -> ours (`transformer.h.N.attn.c_attn`, ...)."""
     need = required(state)
     out = embedding_and_head(need, config)
-    fused = "gptserve.model.layers.0.self_attn.qkv_proj.weight" in state  # Phi-3
+    fused = "model.layers.0.self_attn.qkv_proj.weight" in state  # Phi-3
     for i in range(config.n_layer):
-        src, dst = f"gptserve.model.layers.{i}.", f"transformer.h.{i}."
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
         if fused:  # q, k, v rows and gate, up rows already joined in our order
             out[dst + "attn.c_attn.weight"] = need(f"{src}self_attn.qkv_proj.weight")
             out[dst + "attn.c_proj.weight"] = need(f"{src}self_attn.o_proj.weight")

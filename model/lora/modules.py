@@ -98,7 +98,7 @@ NOT_ADAPTABLE = ("lm_head", "embed_tokens", "wte", "wpe", "score")
 
 
 def hf_block_prefix(config: ModelConfig, i: int) -> str:
-    return f"gptserve.model.layers.{i}." if is_llama_family(config) else f"transformer.h.{i}."
+    return f"model.layers.{i}." if is_llama_family(config) else f"transformer.h.{i}."
 
 
 def hf_modules(config: ModelConfig) -> dict[str, tuple[str, ...]]:

@@ -249,7 +249,7 @@ def _group_modules(
 ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """{(block, module within it): {"A": tensor, "B": tensor}}; AdapterError for a tensor that is
     not a plain LoRA matrix of a block's projection."""
-    blocks = "gptserve.model.layers" if is_llama_family(config) else "transformer.h"
+    blocks = "model.layers" if is_llama_family(config) else "transformer.h"
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PREFIX)

@@ -147,7 +147,7 @@ def test_the_checkpoint_names_its_pooling_and_matryoshka_widths(tmp_path: Path) 
     (tmp_path / "config.json").write_text('{"is_matryoshka": true}')
     assert EmbeddingSpec.read(tmp_path, 64).allows(16)
     assert not EmbeddingSpec("last", 64, False).allows(32)
-    gguf = tmp_path / "gptserve.model.gguf"
+    gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
     assert EmbeddingSpec.read(gguf, 64) == EmbeddingSpec("last", 64, False)
 

@@ -106,7 +106,7 @@ def test_a_missing_or_broken_checkpoint_is_one_line(tmp_path: Path, tiny_checkpo
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
-    (broken / "gptserve.model.safetensors").write_bytes(b"not safetensors")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModelLoadError, match="unreadable or truncated") as err:
         load_for_inference(broken, device="cpu")
     assert "\n" not in str(err.value)

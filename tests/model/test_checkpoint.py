@@ -65,7 +65,7 @@ def test_missing_weights(tmp_path):
 
 def test_truncated_weights(tmp_path):
     save_checkpoint(_tiny(), tmp_path)
-    weights = tmp_path / "gptserve.model.safetensors"
+    weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="unreadable or truncated"):
         load_checkpoint(tmp_path)

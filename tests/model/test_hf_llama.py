@@ -70,7 +70,7 @@ def test_logits_and_greedy_tokens_match_transformers(kind: str, tmp_path: Path) 
 
 def test_sharded_bfloat16_checkpoint_keeps_its_dtype_or_is_cast(tmp_path: Path) -> None:
     ref = make("qwen2-bias", tmp_path, dtype=torch.bfloat16, max_shard_size="100KB")
-    assert (tmp_path / "gptserve.model.safetensors.index.json").is_file()
+    assert (tmp_path / "model.safetensors.index.json").is_file()
     kept = load_checkpoint(tmp_path)
     assert next(kept.parameters()).dtype == torch.bfloat16
     cast = load_checkpoint(tmp_path, dtype=torch.float32)

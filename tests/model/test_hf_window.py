@@ -45,7 +45,7 @@ def _unwindowed(path: Path, model_cls: str, attn: str):
     plain = path / "plain"
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps(config))
-    (plain / "gptserve.model.safetensors").symlink_to(path / "gptserve.model.safetensors")
+    (plain / "model.safetensors").symlink_to(path / "model.safetensors")
     cls = getattr(transformers, model_cls)
     return cls.from_pretrained(plain, attn_implementation=attn).eval()
 

@@ -89,7 +89,7 @@ def run_server(
 @contextmanager
 def serve_with_key(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`checkpoint` served with --api-key KEY (a test module's `server_url` fixture)."""
-    log = tmp_path_factory.mktemp("playground") / "gptserve.server.log"
+    log = tmp_path_factory.mktemp("playground") / "server.log"
     with run_server(checkpoint, log, "--api-key", KEY) as url:
         yield url
 

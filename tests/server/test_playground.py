@@ -270,9 +270,7 @@ def test_the_model_select_lists_lora_adapters_and_runs_the_chosen_one(
     config = load_checkpoint(tiny_checkpoint).config
     write_peft(random_adapter(config, "tuned"), root / "tuned", config, "tiny-gpt")
     lora = ("--lora", f"tuned={root / 'tuned'}")
-    with run_server(
-        tiny_checkpoint, root / "gptserve.server.log", *lora
-    ) as url:  # no key: listed at once
+    with run_server(tiny_checkpoint, root / "server.log", *lora) as url:  # no key: listed at once
         with open_page(browser, url, tab="completion") as page:
             options = page.locator("#model-select option")
             expect(options).to_have_text(["tiny-gpt", "tuned (LoRA adapter of tiny-gpt)"])

@@ -272,9 +272,7 @@ def test_screenshot(browser: Browser, tiny_checkpoint: Path, tmp_path: Path) -> 
     out = Path(os.environ["PLAYGROUND_SCREENSHOT"])
     model = os.environ.get("PLAYGROUND_MODEL") or str(tiny_checkpoint)
     slow = 300_000  # ms: a loaded CPU may take minutes for these answers
-    with run_server(
-        Path(model), tmp_path / "gptserve.server.log", startup_timeout=slow / 1000
-    ) as url:
+    with run_server(Path(model), tmp_path / "server.log", startup_timeout=slow / 1000) as url:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
             context = json.loads(resp.read())["data"][0]["max_model_len"]
         with open_page(browser, url) as page:

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shakespeare_model_is_small_and_trained(shakespeare_path: Path) -> None:
-    weights = SHAKESPEARE_DIR / "gptserve.model.safetensors"
+    weights = SHAKESPEARE_DIR / "model.safetensors"
     assert weights.stat().st_size < 64 * 2**20
     model = load_checkpoint(SHAKESPEARE_DIR, dtype=torch.float32)
     tok = get_tokenizer(model.config.tokenizer)

@@ -21,7 +21,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from gptserve.training import cli as train  # noqa: E402
 from gptserve.training.checkpointing import STATE_FILE  # noqa: E402
 
-CHECKPOINT_FILES = {"gptserve.model.safetensors", "config.json", STATE_FILE}
+CHECKPOINT_FILES = {"model.safetensors", "config.json", STATE_FILE}
 
 
 def main() -> int:

@@ -117,7 +117,7 @@ def test_loss_falls_on_shakespeare(trained: Path) -> None:
 def test_output_loads_generates_and_matches_training_state(trained: Path) -> None:
     state = torch.load(trained / STATE_FILE, weights_only=True)
     assert state["step"] == 40
-    served = load_file(str(trained / "gptserve.model.safetensors"))
+    served = load_file(str(trained / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in served.values())  # --save-dtype bfloat16
     assert state["model"]["transformer.wte.weight"].dtype == torch.float32  # resume keeps fp32
     torch.testing.assert_close(
@@ -192,8 +192,8 @@ def test_sigkill_then_resume_gives_the_same_loss_curve(
         assert {k: v for k, v in ra.items() if k != "tokens_per_s"} == {
             k: v for k, v in rb.items() if k != "tokens_per_s"
         }
-    sa = load_file(str(full / "gptserve.model.safetensors"))
-    sb = load_file(str(killed / "gptserve.model.safetensors"))
+    sa = load_file(str(full / "model.safetensors"))
+    sb = load_file(str(killed / "model.safetensors"))
     assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
 
 
@@ -442,7 +442,7 @@ def test_init_from_hugging_face_gpt2_then_resume(
     state = torch.load(out / STATE_FILE, weights_only=True)
     assert state["args"]["n_embd"] == 64 and state["args"]["block_size"] == 32
     # Resuming needs neither the HF directory nor the architecture flags.
-    (tmp_path / "hf" / "gptserve.model.safetensors").unlink()
+    (tmp_path / "hf" / "model.safetensors").unlink()
     assert run_main(["--out", str(out), "--resume", "--max-steps", "4"], capsys) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     assert load_checkpoint(out).config.n_layer == 2

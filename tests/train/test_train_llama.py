@@ -126,7 +126,7 @@ def test_llama_loss_falls_and_the_output_is_llama_shaped(llama_run: Path) -> Non
         tokenizer="gpt2", block_size=32,
     )  # fmt: skip
     assert {k: config[k] for k in expected} == expected
-    weights = load_file(str(llama_run / "gptserve.model.safetensors"))
+    weights = load_file(str(llama_run / "model.safetensors"))
     assert weights["transformer.h.0.mlp.c_fc.weight"].shape == (2 * 128, 64)  # gate and up
     assert not any(k.endswith(".bias") for k in weights)  # Llama has no biases
 
@@ -154,7 +154,7 @@ def test_gqa_llama_resumes_exactly(gqa_runs: list[Path]) -> None:
     whole, resumed = gqa_runs
     rows = [metric_rows(out) for out in (whole, resumed)]
     assert [r["step"] for r in rows[0]] == list(range(1, 7)) and rows[0] == rows[1]
-    a, b = (load_file(str(out / "gptserve.model.safetensors")) for out in gqa_runs)
+    a, b = (load_file(str(out / "model.safetensors")) for out in gqa_runs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     state = torch.load(resumed / STATE_FILE, weights_only=True)
     assert state["args"]["arch"] == "llama" and state["args"]["n_kv_head"] == 2

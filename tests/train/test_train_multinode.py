@@ -184,8 +184,8 @@ def test_killed_worker_is_restarted_and_the_run_resumes(
     for ra, rb in zip(a, b):
         ra.pop("tokens_per_s"), rb.pop("tokens_per_s")
         assert ra == rb
-    sa = load_file(str(reference / "gptserve.model.safetensors"))
-    sb = load_file(str(out / "gptserve.model.safetensors"))
+    sa = load_file(str(reference / "model.safetensors"))
+    sb = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 

@@ -157,7 +157,7 @@ def test_no_loss_png_without_matplotlib(
     run([*data, "--out", str(tmp_path), *TINY, "--max-steps", "2", "--eval-interval", "1"], capsys)
     assert not (tmp_path / "loss.png").exists()
     assert [json.loads(line)["step"] for line in metrics_lines(tmp_path)] == [1, 2]
-    assert (tmp_path / "gptserve.model.safetensors").is_file()
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 def test_resume_auto_starts_then_continues(

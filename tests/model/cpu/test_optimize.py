@@ -107,7 +107,7 @@ def test_an_optimized_model_refuses_to_be_saved(tmp_path):
     optimize_for_cpu(model, threads=2)
     with pytest.raises(CheckpointError, match="optimized for CPU inference"):
         save_checkpoint(model, tmp_path / "packed")
-    assert not (tmp_path / "packed" / "gptserve.model.safetensors").exists()
+    assert not (tmp_path / "packed" / "model.safetensors").exists()
 
 
 def test_a_model_on_another_device_or_already_optimized_is_returned_unchanged():

@@ -147,8 +147,8 @@ def test_a_piece_over_part_of_the_layers_and_across_modules(tmp_path: Path) -> N
     write_peft(adapter, tmp_path / "a", config, base_name=None)
     written = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert sorted(written["target_modules"]) == [
-        "gptserve.model.layers.0.self_attn.k_proj",
-        "gptserve.model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.q_proj",
     ]
     loaded = peft.PeftModel.from_pretrained(make_hf("llama", tmp_path / "hf"), tmp_path / "a")
     idx = tokens()
