@@ -45,6 +45,8 @@ from typing import Any, Literal
 import llguidance
 import numpy as np
 import torch
+from gptserve.engine.grammar_bounds import TooCostly, check_lark, check_schema, on_deep_stack
+from gptserve.engine.sequence import GRAMMAR_ERROR
 from gptserve.model.tokenizers import Tokenizer
 
 ConstraintKind = Literal["json", "regex", "choice", "lark"]
@@ -80,11 +82,13 @@ SEQUENCE_BUDGET_S = 5.0
 
 
 class GrammarError(ValueError):
-    """A constraint that cannot be built; the message is one line."""
+    """A constraint that cannot be built; the message is one line. `code` is GRAMMAR_ERROR for
+    one refused as too costly before it was compiled (engine.grammar_bounds), else None."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.code = code
 
 
 class ConstraintViolation(RuntimeError):
@@ -447,6 +451,13 @@ def compile_constraint(
     "lark" (spec: a grammar in llguidance's Lark syntax, `%json {...}` and lazy lexemes included).
     vocab_size: the model's logits width, if larger than the tokenizer's (padded vocabularies).
     """
+    try:
+        if kind == "json":
+            check_schema(spec)
+        elif kind == "lark" and isinstance(spec, str):
+            check_lark(spec)
+    except TooCostly as exc:
+        raise GrammarError(f"too costly to compile: {exc}", GRAMMAR_ERROR) from None
     text = _spec_text(kind, spec)
     vocab = grammar_vocab(tokenizer, vocab_size)
     key = (kind, text, (tokenizer.fingerprint, vocab.vocab_size))
@@ -455,7 +466,7 @@ def compile_constraint(
     if refused is not None:  # a costly refusal is not paid for twice
         raise GrammarError(refused)
     try:
-        compiled = _compile(*key)
+        compiled = on_deep_stack(_compile, *key)  # its native recursion: engine.grammar_bounds
     except GrammarError as exc:
         with _VOCABS_LOCK:
             _REFUSED[key] = exc.message

@@ -26,6 +26,8 @@ from gptserve.engine.grammar import (
     GrammarError,
     compile_constraint,
 )
+from gptserve.engine.grammar_bounds import TooCostly, check_gbnf
+from gptserve.engine.sequence import GRAMMAR_ERROR
 from gptserve.model.tokenizers import Tokenizer
 from gptserve.server.protocol import StructuredFields, StructuredOutputs
 from llguidance.gbnf_to_lark import any_to_lark
@@ -82,7 +84,12 @@ class StructuredAsk:
         if not isinstance(text, str) or not text.strip():
             raise self.error("must be a non-empty string (a GBNF or Lark grammar)")
         if len(text) > MAX_GRAMMAR_CHARS:
-            raise self.error(f"longer than {MAX_GRAMMAR_CHARS} characters")
+            raise self.error(f"longer than {MAX_GRAMMAR_CHARS} characters", GRAMMAR_ERROR)
+        try:
+            if "::=" in text:  # GBNF: bounded before its conversion, which is quadratic in rules
+                check_gbnf(text)
+        except TooCostly as exc:
+            raise self.error(f"too costly to compile: {exc}", GRAMMAR_ERROR) from None
         try:
             return any_to_lark(text)
         except Exception as exc:  # noqa: BLE001 - GbnfToLarkError, and a bare Exception for a rule it cannot find
@@ -110,10 +117,10 @@ class StructuredAsk:
         try:
             return compile_constraint(kind, spec, tokenizer, vocab_size=vocab_size)
         except GrammarError as exc:
-            raise self.error(exc.message) from None
+            raise self.error(exc.message, exc.code) from None
 
-    def error(self, message: str) -> RequestError:
-        return RequestError(f"{self.where}: {message}", self.param)
+    def error(self, message: str, code: str | None = None) -> RequestError:
+        return RequestError(f"{self.where}: {message}", self.param, code)
 
 
 @dataclass(frozen=True)

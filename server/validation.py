@@ -30,7 +30,7 @@ from gptserve.server.chat.reasoning import (
     ReasoningFormat,
     default_format,
 )
-from gptserve.server.chat.templates import ChatFormat
+from gptserve.server.chat.templates import ChatFormat, environment_names
 from gptserve.server.chat.tools.formats import ToolCallFormat, format_for_template
 from gptserve.server.chat.tools.prompt import chat_messages
 from gptserve.server.chat.tools.request import ToolRequest, read_tools
@@ -333,10 +333,11 @@ class Validator:
     def _template_variables(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """A request's `chat_template_kwargs`, which may not replace what the server passes."""
         kwargs = kwargs or {}
-        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        taken = sorted(set(kwargs) & (RESERVED_TEMPLATE_VARIABLES | environment_names()))
         if taken:
             raise bad_request(
-                f"chat_template_kwargs cannot set {', '.join(taken)} (the server sets it)",
+                f"chat_template_kwargs cannot set {', '.join(taken)} (the server or the template "
+                "engine defines it)",
                 "chat_template_kwargs",
             )
         return kwargs

@@ -187,6 +187,19 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not parse: {exc}") from None
 
 
+# what Jinja itself gives a template besides its environment's globals
+_JINJA_NAMES = frozenset({"loop", "self", "super", "caller", "varargs", "kwargs", "true", "false",
+                          "none", "True", "False", "None"})  # fmt: skip
+
+
+def environment_names() -> frozenset[str]:
+    """Every name a template finds without being passed it: the environment's globals (Jinja's
+    `range`, `dict`, `namespace`, `cycler`, `joiner`, `lipsum`, and our `raise_exception` and
+    `strftime_now`) and Jinja's own (`loop`, `self`, `caller`, ...). A request's variables may
+    not shadow them."""
+    return frozenset(_compile("").environment.globals) | _JINJA_NAMES
+
+
 class JinjaChatTemplate:
     """Messages -> the prompt text a checkpoint's template makes of them."""
 

@@ -117,3 +117,71 @@ def test_adversarial_grammars_leave_other_tenants_alone(tiny_checkpoint: Path) -
         # a refused grammar sent again is refused again, at once, never answered with empty text
         again = _post(live.url, KEY_B, {"prompt": "x", "guided_regex": "a{600}{600}"})
         assert again.status_code == 400 and again.json()["error"]["param"] == "guided_regex"
+
+
+def _chain(n: int, gbnf: bool) -> str:
+    """n rules, each naming the next: what the grammar compiler would recurse through."""
+    if gbnf:
+        return (
+            "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "a"\n'
+        )
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "a"\n'
+
+
+def _ref_chain(n: int) -> dict:
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+# (endpoint, field, value): each overflowed the compiler's native stack (SIGSEGV) before it was
+# bounded; the 50k chains are past the grammar's length limit as well
+DEEP = [
+    ("chat/completions", "grammar", _chain(5_000, gbnf=True)),
+    ("chat/completions", "grammar", _chain(50_000, gbnf=True)),
+    ("completions", "guided_grammar", _chain(5_000, gbnf=False)),
+    ("completions", "guided_grammar", _chain(50_000, gbnf=False)),
+    ("completions", "guided_json", _ref_chain(5_000)),
+    ("chat/completions", "response_format",
+     {"type": "json_schema", "json_schema": {"name": "deep", "schema": _ref_chain(5_000)}}),
+    ("completions", "guided_json", "NESTED"),  # 5,000 objects deep: sent as text, json can't
+]  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_grammars_deep_enough_to_crash_the_compiler_are_refused(tiny_checkpoint: Path) -> None:
+    settings = Settings(model=str(tiny_checkpoint), api_keys=[KEY_A, KEY_B], max_num_seqs=8)
+    with live_server(settings) as live:
+        alone, _ = _stream_tokens(live.url)
+        answers: list[httpx.Response] = []
+
+        def attack() -> None:
+            headers = {"Authorization": f"Bearer {KEY_B}"}
+            for endpoint, field, value in DEEP:
+                body: dict = {"max_tokens": 8, field: value}
+                if endpoint == "completions":
+                    body["prompt"] = "x"
+                else:
+                    body["messages"] = [{"role": "user", "content": "x"}]
+                text = json.dumps(body)
+                if value == "NESTED":  # deeper than Python's json writes
+                    deep = '{"type":"object","properties":{"a":' * 5_000 + '{"type":"string"}'
+                    text = text.replace('"NESTED"', deep + "}}" * 5_000)
+                url = f"{live.url}/v1/{endpoint}"
+                headers["Content-Type"] = "application/json"
+                answers.append(httpx.post(url, content=text, headers=headers, timeout=120))
+
+        attacker = threading.Thread(target=attack)
+        attacker.start()
+        together, seconds = _stream_tokens(live.url)
+        attacker.join(300)
+        assert not attacker.is_alive()
+        assert together == alone and seconds < STREAM_BOUND_S
+        for (_, field, value), r in zip(DEEP, answers, strict=True):
+            assert r.status_code == 400, r.text[:300]
+            err = r.json()["error"]
+            if value == "NESTED":  # deeper than the body's JSON parser goes: refused there
+                assert err["type"] == "invalid_request_error", err
+                continue
+            assert (err["param"], err["code"]) == (field, "grammar_too_costly"), err
+        assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200

@@ -61,7 +61,7 @@ class ToolRequest:
             return compile_constraint("lark", grammar, tokenizer, vocab_size=vocab_size)
         except GrammarError as exc:
             raise bad_request(f"the tools cannot be built into a grammar: {exc.message}",
-                              "tools") from None  # fmt: skip
+                              "tools", exc.code) from None  # fmt: skip
 
 
 def read_tools(
@@ -154,4 +154,4 @@ def _buildable(
             return candidate
         except GrammarError as exc:
             error = exc
-    raise bad_request(f"{where}: {error.message}", "tools")
+    raise bad_request(f"{where}: {error.message}", "tools", error.code)
