@@ -17,6 +17,7 @@ from gptserve.server.openai_api import check_queue, engine_stopped
 from gptserve.server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from gptserve.server.runtime import ServerState
 from gptserve.server.streams import ClientGone, RequestTimeout, merged_events
+from starlette.concurrency import run_in_threadpool
 
 router = APIRouter()
 ENDPOINT = "embeddings"  # the endpoint label of gptserve_requests
@@ -31,7 +32,7 @@ def encode_base64(vector: list[float]) -> str:
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
     async_engine = state.require_ready()
-    inputs = state.validator.embedding(body)
+    inputs = await run_in_threadpool(state.validator.embedding, body)  # tokenizing: off the loop
     check_queue(state, async_engine)
     prompts = inputs.prompts
     num_tokens = sum(len(p) for p in prompts)

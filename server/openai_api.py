@@ -198,20 +198,16 @@ async def accept(
     kind: str,
     validate: Callable[[Validator], EngineInputs],
     request: Request,
-    compiles: bool = False,
     endpoint: str | None = None,
 ) -> AcceptedRequest:
     """Check a request and take it in: its engine inputs, its tenant's cache salt, its tracker.
 
-    compiles: the request carries a structured-output constraint, whose grammar is compiled
-    while checking it (milliseconds, up to a few hundred for a huge schema): off the event loop.
+    The check renders the chat template, tokenizes and may compile a grammar (up to a few hundred
+    milliseconds for a huge request): always off the event loop, which every stream shares.
     endpoint: the metrics' label when it is not `kind` (the Responses API runs as a chat).
     """
     async_engine = state.require_ready()
-    if compiles:
-        inputs = await run_in_threadpool(validate, state.validator)
-    else:
-        inputs = validate(state.validator)
+    inputs = await run_in_threadpool(validate, state.validator)
     check_queue(state, async_engine)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)
@@ -237,10 +233,9 @@ async def _answer(
     kind: str,
     validate: Callable[[Validator], EngineInputs],
     request: Request,
-    compiles: bool = False,
 ) -> Response:
     """Check a request, queue it and answer it: a stream, or the whole completion."""
-    accepted = await accept(state, kind, validate, request, compiles)
+    accepted = await accept(state, kind, validate, request)
     if accepted.inputs.stream:
         return StreamingResponse(
             _stream(accepted), media_type="text/event-stream", headers=SSE_HEADERS
@@ -282,15 +277,13 @@ def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return await _answer(
-        state, "completion", lambda v: v.completion(body), request, body.asks_for_structure
-    )
+    return await _answer(state, "completion", lambda v: v.completion(body), request)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
-    return await _answer(state, "chat", lambda v: v.chat(body), request, body.asks_for_structure)
+    return await _answer(state, "chat", lambda v: v.chat(body), request)
 
 
 def _events(accepted: AcceptedRequest, watch: Request | None = None):  # noqa: ANN202

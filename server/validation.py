@@ -12,7 +12,7 @@ takes it unchecked.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +190,44 @@ class Validator:
             max_stop_length=settings.max_stop_length, max_logit_bias=settings.max_logit_bias,
         )  # fmt: skip
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters past which a text can never fit the context, found before any rendering or
+        tokenizing: no token spells more bytes than the vocabulary's longest, and a character is
+        at least a byte, so a text of more characters than this is more tokens than the context
+        holds."""
+        tok = self.tokenizer
+        longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+        return self.limits.max_model_len * max(longest, 1)
+
+    def _bound_chars(self, texts: Iterable[str], param: str) -> None:
+        """A 400 naming `param` when `texts` together are more characters than any prompt that
+        fits (`max_prompt_chars`): before the template renders them or the tokenizer runs."""
+        total, bound = 0, self.max_prompt_chars
+        for text in texts:
+            total += len(text)
+            if total > bound:
+                raise bad_request(
+                    f"more than {bound} characters, more than this model's context of "
+                    f"{self.limits.max_model_len} tokens can hold", param, "context_length_exceeded",
+                )  # fmt: skip
+
+    def _bound_messages(self, messages: Sequence[Any]) -> None:
+        """Cheap bounds on a chat's messages before its template renders them: how many (each
+        renders to at least a token) and how many characters."""
+        context = self.limits.max_model_len
+        if len(messages) > context:
+            raise bad_request(
+                f"{len(messages)} messages are more than this model's context of {context} tokens "
+                "can hold", "messages", "context_length_exceeded",
+            )  # fmt: skip
+        texts = (
+            part.text if hasattr(part, "text") else part
+            for m in messages
+            for part in ([m.content] if isinstance(m.content, str) else m.content or [])
+        )
+        self._bound_chars(texts, "messages")
+
     def _admit(
         self, prompts: list[list[int]], params: SamplingParams, names: FieldNames,
         constrained: bool,
@@ -232,6 +270,7 @@ class Validator:
     def chat(self, req: ChatCompletionRequest) -> EngineInputs:
         lora = self.model_of(req.model)
         check_extra_fields(req, "chat", self.tokenizer)
+        self._bound_messages(req.messages)
         tools = read_tools(req, self.tokenizer, self.limits.vocab_size)
         include_usage = self._stream_options(req)
         top = req.top_logprobs
@@ -320,6 +359,7 @@ class Validator:
         texts: list[str | None] = []
         for item in items:
             if isinstance(item, str):
+                self._bound_chars([item], "prompt")
                 ids.append(encode_text(self.tokenizer, item, "prompt", add_special_tokens=True))
                 texts.append(item)
             else:
@@ -369,6 +409,7 @@ class Validator:
             if isinstance(item, str):
                 if not item:
                     raise bad_request("input strings must not be empty", "input")
+                self._bound_chars([item], "input")
                 ids.append(encode_text(self.tokenizer, item, "input", add_special_tokens=True))
             else:
                 if not item:

@@ -29,6 +29,7 @@ from gptserve.server.runtime import ServerState
 from gptserve.server.tenancy import TENANT_SCOPE_KEY
 from gptserve.server.validation import EngineInputs, Validator
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 router = APIRouter()
 INCOMPLETE = "length"  # the engine's finish reason that makes a response incomplete
@@ -324,10 +325,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                 code="previous_response_not_found",
             )
         earlier = stored.conversation
-    form = to_chat(body, earlier)
-    accepted = await accept(
-        state, "chat", _validate(form), request, form.chat.asks_for_structure, "responses"
-    )
+    context = state.validator.limits.max_model_len if state.validator else None
+    if context is not None and isinstance(body.input, list) and len(body.input) > context:
+        raise APIError(  # each item renders to at least a token: refused before converting
+            400, f"input: {len(body.input)} items are more than this model's context of "
+            f"{context} tokens can hold", param="input", code="context_length_exceeded",
+        )  # fmt: skip
+    form = await run_in_threadpool(to_chat, body, earlier)  # off the event loop: items can be many
+    accepted = await accept(state, "chat", _validate(form), request, "responses")
     shape = Shape(body, form, accepted)
     if body.stream:
         return StreamingResponse(

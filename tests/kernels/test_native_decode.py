@@ -145,7 +145,8 @@ def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(
     monkeypatch.setenv("GPTSERVE_NATIVE", "0")
     assert native.native_ops.__wrapped__() is None
     monkeypatch.setenv("GPTSERVE_NATIVE", "1")
-    # nothing built yet (an empty build folder), and no compiler to build with
+    # nothing built yet (an empty extension cache), and no compiler to build with
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(
         "torch.utils.cpp_extension._get_build_directory", lambda name, verbose: str(tmp_path)
     )

@@ -250,8 +250,8 @@ def test_without_native_bfloat16_products_int8_keeps_its_kernel():
     taken: checked with PyTorch's kernels limited to AVX2 in a fresh process (as on such a host),
     and with this host's own kernels against the rule's input."""
     probe = (
-        "import torch; from model.cpu.isa import fast_bfloat16_products as f; "
-        "from model.quantize import Int8Linear; "
+        "import torch; from gptserve.model.cpu.isa import fast_bfloat16_products as f; "
+        "from gptserve.model.quantize import Int8Linear; "
         "print(f(), Int8Linear(torch.nn.Linear(32, 16)).many_rows)"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -37,9 +37,9 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_missing_bundled_model_is_one_line_exit_2() -> None:
     missing = "/nonexistent/default_model"
     code = (
-        "import sys, model; from pathlib import Path; "
+        "import sys; import gptserve.model as model; from pathlib import Path; "
         f"model.SHAKESPEARE_DIR = Path({missing!r}); "
-        "from server.cli import main; sys.exit(main(['--model', 'shakespeare', '--port', '1']))"
+        "from gptserve.server.cli import main; sys.exit(main(['--model', 'shakespeare', '--port', '1']))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60

@@ -72,13 +72,15 @@ def test_training_modules_import_without_cycles() -> None:
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith("training."):
-                    deps.add(node.module.split(".")[1])
-                elif node.module == "training":
+                if node.module.startswith("gptserve.training."):
+                    deps.add(node.module.split(".")[2])
+                elif node.module == "gptserve.training":
                     deps.update(alias.name for alias in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(
-                    a.name.split(".")[1] for a in node.names if a.name.startswith("training.")
+                    a.name.split(".")[2]
+                    for a in node.names
+                    if a.name.startswith("gptserve.training.")
                 )
         graph[path.stem] = deps
     assert graph["errors"] == set() and graph["loop"] != set()
@@ -87,7 +89,8 @@ def test_training_modules_import_without_cycles() -> None:
         ready = sorted(m for m, deps in graph.items() if m not in order and deps <= set(order))
         assert ready, f"import cycle among {sorted(set(graph) - set(order))}"
         order += ready
-    assert not any("loop" in deps for deps in graph.values())  # the loop is the top
+    # the loop is the top, under the command line (cli.py and its __main__)
+    assert not any("loop" in deps for m, deps in graph.items() if m not in ("cli", "__main__"))
 
 
 def test_config_is_frozen_and_derives_min_lr(tmp_path: Path) -> None:
