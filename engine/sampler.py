@@ -53,6 +53,8 @@ class SamplingParams:
     # prefix cache isolation: prompts share cached KV blocks only with prompts of the same salt
     # (None: the shared, unsalted chain); not a sampling choice, but it travels with the request
     cache_salt: str | None = None
+    # who sent it (an API key's tenant id; None: no keys): the scheduler admits tenants in turn
+    tenant: str | None = None
     # the LoRA adapter that serves the request, by name (None: the base model); like the salt,
     # not a sampling choice (engine.adapters)
     lora: str | None = None

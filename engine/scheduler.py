@@ -8,6 +8,15 @@ sequence offered guesses (speculative decoding) verifies them as a chunk of 1 + 
 to the budget. When the cache cannot hold the step, every guess is dropped first; then the newest
 running sequence is preempted: its blocks are freed and it is requeued at the front, to be
 recomputed later. The answer is a `StepPlan`.
+
+Fair to every sender (`SamplingParams.tenant`, an API key's), so that one sender's large request
+cannot hold another's first token:
+- waiting sequences are admitted tenant by tenant in turn, the tenant with the fewest running
+  sequences first (first come, first served within a tenant);
+- a sequence that does not fit the cache yet lets those behind it that fit go ahead, at most
+  MAX_PASSED_OVER times: then nothing goes ahead of it until it fits;
+- running prompts are prefilled shortest first, and while a tenant with nothing running waits,
+  they leave it at least NEWCOMER_SHARE of the step's token budget.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from gptserve.engine.step_plan import StepPlan
 
 # (sequence, new tokens, guesses it verifies) in packed order: a plan before it is classified
 _Work = list[tuple[Sequence, int, list[int]]]
+MAX_PASSED_OVER = 64  # admissions that may go ahead of a waiting sequence that does not fit
+NEWCOMER_SHARE = 0.5  # of a step's token budget, kept for a waiting tenant with nothing running
 
 
 class Scheduler:
@@ -98,19 +109,50 @@ class Scheduler:
                 n = min(1 + len(offered), max(budget, 1))
                 work.append((seq, n, list(offered[: n - 1])))
                 budget -= n
-        for seq in self.running:
-            if seq.pending > 1 and budget > 0:
-                n = min(seq.pending, budget)
+        # prompts being prefilled, shortest first, leaving a share to tenants that wait with
+        # nothing running (they are admitted after this plan, from what budget is left)
+        prefill = budget - self._newcomers_share()
+        for seq in sorted((s for s in self.running if s.pending > 1), key=_pending):
+            if prefill > 0:
+                n = min(seq.pending, prefill)
                 work.append((seq, n, []))
-                budget -= n
+                budget, prefill = budget - n, prefill - n
         return work
+
+    def _newcomers_share(self) -> int:
+        """Tokens of the step kept for the first chunks of tenants that wait with nothing running."""
+        running = {s.params.tenant for s in self.running}
+        waiting = sum(s.pending for s in self.waiting if s.params.tenant not in running)
+        return min(waiting, int(self.max_batch_tokens * NEWCOMER_SHARE))
+
+    def _fair_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they are offered admission: tenants in turn, the
+        tenant with the fewest running sequences (then the longest waiting) first; within a
+        tenant, first come first served (a preempted sequence is back at its front)."""
+        queues: dict[str | None, list[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.params.tenant, []).append(seq)
+        if len(queues) == 1:
+            return list(self.waiting)
+        running: dict[str | None, int] = {}
+        for seq in self.running:
+            running[seq.params.tenant] = running.get(seq.params.tenant, 0) + 1
+        turns = sorted(queues.values(), key=lambda q: running.get(q[0].params.tenant, 0))
+        order: list[Sequence] = []
+        for i in range(max(map(len, turns))):
+            order.extend(q[i] for q in turns if i < len(q))
+        return order
 
     def _admit(self, work: _Work) -> None:
         """Move waiting sequences into the batch while slots, budget and blocks allow."""
         budget = self.max_batch_tokens - sum(n for _, n, _ in work)
         reserved = sum(self.blocks.blocks_needed(s.seq_id, n) for s, n, _ in work)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        stuck: list[Sequence] = []  # offered admission, but the cache has no room for them yet
+        for seq in self._fair_order() if self.waiting else ():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if any(s.passed_over >= MAX_PASSED_OVER for s in stuck):
+                break  # it has waited long enough: nothing more goes ahead of it
             reuses = _reuses_prefix(seq)
             if not self.blocks.holds(seq.seq_id) and reuses:
                 salt = seq.prefix_salt
@@ -122,8 +164,12 @@ class Scheduler:
             if need > free or (need + len(self.running) > free and self.running):
                 self.blocks.free(seq.seq_id)  # give back what it reused; it waits as it was
                 seq.num_cached = 0
-                break
-            self.waiting.popleft()
+                stuck.append(seq)
+                continue
+            for s in stuck:
+                s.passed_over += 1
+            seq.passed_over = 0
+            self.waiting.remove(seq)
             self.running.append(seq)
             if seq.num_generated == 0 and reuses:  # first admission
                 seq.num_prefix_hit = seq.num_cached
@@ -140,6 +186,10 @@ class Scheduler:
 
 def _lora_slot(seq: Sequence) -> int:
     return seq.lora_slot
+
+
+def _pending(seq: Sequence) -> int:
+    return seq.pending
 
 
 def _reuses_prefix(seq: Sequence) -> bool:

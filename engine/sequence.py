@@ -99,6 +99,7 @@ class Sequence:
         self.text_offsets: list[int] = []  # where each generated token's text begins in _text
         self.lora_slot = BASE_SLOT  # the LoRA slot its rows use (none: the base), set by the engine
         self.prefix_salt: Salt = params.cache_salt  # its prefix-cache blocks' salt (and adapter)
+        self.passed_over = 0  # admissions made past it while it waited for room (engine.scheduler)
 
     @property
     def output_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ from gptserve.server.openai_api import check_queue, engine_stopped
 from gptserve.server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from gptserve.server.runtime import ServerState
 from gptserve.server.streams import ClientGone, RequestTimeout, merged_events
+from gptserve.server.tenancy import TENANT_SCOPE_KEY
 from starlette.concurrency import run_in_threadpool
 
 router = APIRouter()
@@ -34,6 +35,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     async_engine = state.require_ready()
     inputs = await run_in_threadpool(state.validator.embedding, body)  # tokenizing: off the loop
     check_queue(state, async_engine)
+    inputs.params.tenant = request.scope.get(
+        TENANT_SCOPE_KEY
+    )  # admitted in turn (engine.scheduler)
     prompts = inputs.prompts
     num_tokens = sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)

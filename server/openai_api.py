@@ -212,6 +212,7 @@ async def accept(
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)
     tenant = request.scope.get(TENANT_SCOPE_KEY)
+    params.tenant = tenant  # admitted in turn with other keys' requests (engine.scheduler)
     params.cache_salt = request_cache_salt(
         state.settings.prefix_cache_scope, tenant, params.cache_salt
     )

@@ -156,3 +156,75 @@ def test_a_one_token_prompt_is_a_prefill_and_a_bad_verification_is_refused():
     assert part.kind is StepKind.PREFILL and part.samples and part.num_rows == 1
     with pytest.raises(ValueError, match="last token and its guesses"):
         StepPlan.build([(seq, 2, [5, 6])], [])
+
+
+# ---- fairness between senders (SamplingParams.tenant) --------------------------------------
+
+
+def run_until_first_token(scheduler: Scheduler, seq: Sequence, limit: int = 100) -> int:
+    """Steps played until `seq` samples its first token."""
+    for step in range(1, limit + 1):
+        play(scheduler.blocks, scheduler.schedule())
+        if seq.num_generated:
+            return step
+    raise AssertionError(f"no first token in {limit} steps")
+
+
+def test_a_long_prompt_of_one_tenant_leaves_another_its_first_token_soon():
+    """Tenant a's long prompts fill every step's budget; tenant b's short one, sent after them,
+    is admitted and prefilled within a step or two, not after all of a's."""
+    cache = BlockManager(1024, BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=8, max_batch_tokens=16)
+    longs = [make_seq(i, list(range(1, 161)), tenant="a") for i in range(4)]  # 10 steps each
+    for seq in longs:
+        scheduler.add(seq)
+    play(cache, scheduler.schedule())
+    short = make_seq(9, [5, 6, 7], tenant="b")
+    scheduler.add(short)
+    assert run_until_first_token(scheduler, short) <= 2
+    assert all(s.num_cached > 0 for s in longs[:1])  # a's prompt went on beside it
+
+
+def test_one_tenant_alone_is_served_first_come_first_served():
+    cache = BlockManager(1024, BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=8, max_batch_tokens=16)
+    first, second = make_seq(0, list(range(1, 41))), make_seq(1, [5, 6, 7])
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert [p.seq for p in plan.scheduled] == [first]  # the whole budget, in arrival order
+
+
+def test_tenants_are_admitted_in_turn():
+    cache = BlockManager(1024, BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=4, max_batch_tokens=64)
+    a = [make_seq(i, [1, 2, 3], tenant="a") for i in range(6)]
+    b = [make_seq(10 + i, [1, 2, 3], tenant="b") for i in range(2)]
+    for seq in [*a, *b]:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    admitted = [p.seq for p in plan.scheduled]
+    assert admitted == [a[0], b[0], a[1], b[1]]  # four slots: two each, not a's first four
+
+
+def test_what_fits_goes_ahead_of_what_does_not_but_not_forever():
+    """A sequence too large for the free blocks lets smaller ones behind it in, at most
+    MAX_PASSED_OVER times; after that nothing passes it until it fits."""
+    from gptserve.engine import scheduler as module
+
+    cache = BlockManager(12, BLOCK)  # 48 tokens
+    scheduler = Scheduler(cache, max_num_seqs=64, max_batch_tokens=64)
+    hog = make_seq(0, list(range(1, 33)), tenant="a")  # 8 blocks, decoding
+    decoding(scheduler, hog)
+    big = make_seq(1, list(range(1, 25)), tenant="b")  # 6 blocks: does not fit beside the hog
+    scheduler.add(big)
+    small = make_seq(2, [1, 2, 3], tenant="c")
+    scheduler.add(small)
+    plan = scheduler.schedule()
+    assert small in [p.seq for p in plan.scheduled] and big in scheduler.waiting
+    assert big.passed_over == 1
+    big.passed_over = module.MAX_PASSED_OVER
+    later = make_seq(3, [1, 2, 3], tenant="c")
+    scheduler.add(later)
+    plan = scheduler.schedule()
+    assert later in scheduler.waiting and later not in [p.seq for p in plan.scheduled]
