@@ -18,6 +18,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from gptserve.server.admin import ADMIN_SCOPE_KEY, is_admin, warn_about_admin_scope
 from gptserve.server.embeddings_api import router as embeddings_router
 from gptserve.server.errors import APIError, bad_request, install_error_handlers
 from gptserve.server.hosts import host_allowed
@@ -49,6 +50,9 @@ _UNCOUNTED_PATHS = ("/health", "/metrics")
 class AdmissionControl:
     """ASGI middleware: concurrency cap, Bearer auth on the API paths, and the body-size limit.
 
+    An authenticated request carries its key's tenant (TENANT_SCOPE_KEY, server.tenancy) and
+    whether the key is an admin's (ADMIN_SCOPE_KEY, server.admin) in its scope, not the key.
+
     The body is read here (at most max_body_bytes) and replayed to the app, so an oversized body
     is refused with 413 whether or not it declared its Content-Length.
     """
@@ -57,8 +61,9 @@ class AdmissionControl:
         self.app = app
         self.settings = settings
         self.metrics = metrics
-        self.keys = [k.encode() for k in settings.api_keys]
-        self.tenants = [key_tenant(k) for k in self.keys]
+        admin = set(settings.admin_api_keys)
+        # (key, its tenant, whether it is an admin key)
+        self.keys = [(k.encode(), key_tenant(k.encode()), k in admin) for k in settings.auth_keys]
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -102,8 +107,10 @@ class AdmissionControl:
             )
             await err.response()(scope, receive, send)
             return
-        if self.keys and path.startswith(_AUTH_PREFIXES):
-            tenant = self._tenant(scope)
+        if not self.keys:
+            scope[ADMIN_SCOPE_KEY] = True  # an open server: everyone may act as an admin
+        elif path.startswith(_AUTH_PREFIXES):
+            tenant, admin = self._tenant(scope)
             if tenant is None:
                 err = APIError(
                     401,
@@ -113,6 +120,7 @@ class AdmissionControl:
                 await err.response()(scope, receive, send)
                 return
             scope[TENANT_SCOPE_KEY] = tenant  # whose prefix cache it shares (server.tenancy)
+            scope[ADMIN_SCOPE_KEY] = admin  # whether it may act as an admin (server.admin)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
@@ -143,18 +151,19 @@ class AdmissionControl:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _tenant(self, scope: Scope) -> str | None:
-        """The tenant of the request's Bearer key; None when it has no configured key."""
+    def _tenant(self, scope: Scope) -> tuple[str | None, bool]:
+        """The tenant of the request's Bearer key (None when it has no configured key), and
+        whether the key is an admin key."""
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
-            return None
+            return None, False
         token = token.strip()
-        found = None
-        for key, tenant in zip(self.keys, self.tenants):  # every key compared, in constant time
+        found, admin = None, False
+        for key, tenant, is_admin_key in self.keys:  # every key compared, in constant time
             if hmac.compare_digest(token, key):
-                found = tenant
-        return found
+                found, admin = tenant, admin or is_admin_key
+        return found, admin
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -194,6 +203,7 @@ def create_app(
     """An app for these settings. Its startup only begins loading the model, in a thread: the
     server answers at once, /health with 503 "loading" until the engine runs."""
     settings.validate()
+    warn_about_admin_scope(settings)
     metrics = Metrics()
     state = ServerState(settings, metrics, loader)
 
@@ -254,20 +264,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
-    async def list_models() -> dict:
+    async def list_models(request: Request) -> dict:
         async_engine = state.require_ready()
         base = state.loaded.name
+        paths = is_admin(request)  # `root` is where a model was read from for admins, else its id
         card = {
             "id": base,
             "object": "model",
             "created": started,
             "owned_by": "gptserve",
             "max_model_len": async_engine.limits.max_model_len,
-            "root": str(state.loaded.path),
+            "root": str(state.loaded.path) if paths else base,
             "parent": None,
         }
         adapters = [  # each LoRA adapter is a model of its own, its parent the base (as vLLM)
-            {**card, "id": name, "root": source, "parent": base}
+            {**card, "id": name, "root": source if paths else name, "parent": base}
             for name, source in list(state.lora_names.items())
         ]
         return {"object": "list", "data": [card, *adapters]}

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not is_loopback(settings.host) and not settings.api_keys:
+    if not is_loopback(settings.host) and not settings.auth_keys:
         logging.getLogger("server").warning(
             "binding %s with no API key: anyone who can reach this port can use the model; "
             "set --api-key KEY (or %s)", settings.host, API_KEYS_ENV,

@@ -411,7 +411,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
-    root: str | None = None  # where it was loaded from (a LoRA adapter's directory)
+    root: str | None = None  # where it was read from for an admin (server.admin), else its id
     parent: str | None = None  # a LoRA adapter's base model (its id), as vLLM lists it
 
 

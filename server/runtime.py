@@ -67,6 +67,9 @@ def preflight(settings: Settings) -> None:
     for adapter, directory in settings.lora_modules.items():
         if not directory.is_dir():
             raise ModelLoadError(f"--lora {adapter}: no adapter directory {directory}")
+    for root in settings.lora_roots:
+        if not Path(root).is_dir():
+            raise ModelLoadError(f"--lora-root: no directory {root}")
     _, dtype = check_load(
         settings.device, settings.dtype, settings.quantize, settings.batch_invariant
     )
@@ -267,10 +270,12 @@ class ServerState:
     def require_ready(self) -> AsyncEngine:
         """The engine, or a 503 that says why it cannot serve."""
         if self.async_engine is None:
-            if self.load_error:
+            if self.load_error:  # with keys, the reason (it may name paths) stays in the log
+                reason = "the server log has the reason" if self.settings.auth_keys else None
                 raise APIError(
-                    503, f"the model failed to load: {self.load_error}", code="model_load_failed"
-                )
+                    503, f"the model failed to load: {reason or self.load_error}",
+                    code="model_load_failed",
+                )  # fmt: skip
             raise APIError(
                 503, "the model is still loading", code="loading", headers={"Retry-After": "1"}
             )

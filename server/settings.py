@@ -21,6 +21,7 @@ from gptserve.server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
 from gptserve.server.chat.tools.formats import PARSER_NAMES
 
 API_KEYS_ENV = "GPTSERVE_API_KEYS"
+ADMIN_API_KEYS_ENV = "GPTSERVE_ADMIN_API_KEYS"
 GROUPS = {
     "server": "server",
     "engine": "engine",
@@ -78,6 +79,11 @@ class Settings:
     api_keys: list[str] = flag(
         [], f"accepted Bearer key (repeatable; also {API_KEYS_ENV}, comma-separated); none: open",
         name="api-key",
+    )  # fmt: skip
+    admin_api_keys: list[str] = flag(
+        [], "an accepted Bearer key that may also load and unload LoRA adapters (the admin "
+        f"scope; repeatable; also {ADMIN_API_KEYS_ENV}, comma-separated); with API keys but "
+        "none of these, nobody may", name="admin-api-key",
     )  # fmt: skip
     served_model_name: str | None = flag(
         None, "model name in the API (default: the checkpoint directory's name)"
@@ -205,7 +211,13 @@ class Settings:
     )  # fmt: skip
     enable_lora_loading: bool = flag(
         False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's: load and "
-        "unload adapters while serving); off: 404", group="engine",
+        "unload adapters while serving); off: 404. With API keys only --admin-api-key keys "
+        "may call them", group="engine",
+    )  # fmt: skip
+    lora_roots: list[str] = flag(
+        [], "a directory /v1/load_lora_adapter may load adapters from (repeatable): a lora_path "
+        "must resolve, symlinks followed, inside one; none: every lora_path is refused (400). "
+        "--lora's adapters are not restricted", group="engine", name="lora-root",
     )  # fmt: skip
     # per-request limits (None: the model's context length)
     max_queue: int = flag(256, "waiting sequences; at or above it 429", group="limits", low=1)
@@ -285,9 +297,16 @@ class Settings:
         if self.draft_model is not None and not Path(self.draft_model).is_dir():
             raise SettingsError(f"--draft-model: no checkpoint directory {self.draft_model}")
         self._validate_lora()
-        if any(not key for key in self.api_keys):
+        if any(not key for key in self.auth_keys):
             raise SettingsError("API keys must be non-empty")
+        if any(not root for root in self.lora_roots):
+            raise SettingsError("--lora-root must name a directory")
         return self
+
+    @property
+    def auth_keys(self) -> list[str]:
+        """Every accepted Bearer key: --api-key's and --admin-api-key's (none: an open server)."""
+        return [*self.api_keys, *self.admin_api_keys]
 
     @property
     def lora_modules(self) -> dict[str, Path]:
@@ -373,5 +392,11 @@ def settings_from_args(
     """Parse flags (argparse exits 2 on unknown ones); raises SettingsError for bad values."""
     values = vars(build_parser().parse_args(argv))
     env = os.environ if env is None else env
-    values["api_keys"] += [k.strip() for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    values["api_keys"] += _env_keys(env, API_KEYS_ENV)
+    values["admin_api_keys"] += _env_keys(env, ADMIN_API_KEYS_ENV)
     return Settings(**values).validate()
+
+
+def _env_keys(env: typing.Mapping[str, str], name: str) -> list[str]:
+    """The comma-separated keys of the environment variable `name`."""
+    return [k.strip() for k in env.get(name, "").split(",") if k.strip()]

@@ -23,6 +23,7 @@ from tests.server.conftest import API_KEY, MODEL_NAME, live_server, slow_steps, 
 
 C = "/v1/completions"
 N_TOKENS = 4
+ADMIN_KEY = "admin-key-456"  # loads and unloads (server.admin); API_KEY only uses the models
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,7 @@ def live(tiny_checkpoint: Path, dirs: dict[str, Path]):
     settings = Settings(
         model=str(tiny_checkpoint), api_keys=[API_KEY], max_num_seqs=8, max_loras=3,
         max_lora_rank=8, lora=[f"a={dirs['a']}", f"b={dirs['b']}"], enable_lora_loading=True,
+        admin_api_keys=[ADMIN_KEY], lora_roots=[str(dirs["a"].parent)],
     )  # fmt: skip
     with live_server(settings) as server:
         yield server
@@ -64,9 +66,13 @@ def oracle(tiny_checkpoint: Path, dirs: dict[str, Path]):
     return models
 
 
-def _post(live, path: str, body: dict) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+def _post(live, path: str, body: dict, key: str = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"}
     return httpx.post(live.url + path, json=body, headers=headers, timeout=60)
+
+
+def _admin(live, path: str, body: dict) -> httpx.Response:
+    return _post(live, path, body, ADMIN_KEY)
 
 
 def _complete(live, model: str | None, prompt: list[int]) -> httpx.Response:
@@ -87,13 +93,15 @@ def _check_answer(r: httpx.Response, oracle, name: str | None, prompt: list[int]
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(lps, abs=2e-4), name
 
 
-def test_models_lists_each_adapter_with_its_parent(live) -> None:
+def test_models_lists_each_adapter_with_its_parent(live, dirs) -> None:
     r = httpx.get(live.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
     cards = {c["id"]: c for c in r.json()["data"]}
     assert set(cards) == {MODEL_NAME, "a", "b"}
     assert cards[MODEL_NAME]["parent"] is None
     assert cards["a"]["parent"] == cards["b"]["parent"] == MODEL_NAME
-    assert cards["a"]["root"].endswith("a")
+    assert cards["a"]["root"] == "a"  # a name, not the directory: API_KEY is not an admin
+    r = httpx.get(live.url + "/v1/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert {c["id"]: c["root"] for c in r.json()["data"]}["a"] == str(dirs["a"])
 
 
 def test_mixed_concurrent_requests_each_get_their_adapter(live, oracle) -> None:
@@ -116,7 +124,7 @@ def test_an_unknown_model_is_404(live) -> None:
 
 def test_load_and_unload_with_their_errors(live, dirs, oracle) -> None:
     def load(name: str, path: Path | str) -> httpx.Response:
-        return _post(live, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        return _admin(live, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
     def error(r: httpx.Response, status: int, code: str) -> None:
         assert r.status_code == status, r.text
@@ -127,7 +135,7 @@ def test_load_and_unload_with_their_errors(live, dirs, oracle) -> None:
     error(load("x", dirs["other"]), 400, "lora_base_mismatch")
     error(load("a", dirs["c"]), 400, "lora_name_taken")
     error(load(MODEL_NAME, dirs["c"]), 400, "lora_name_taken")
-    r = _post(live, "/v1/load_lora_adapter", {"lora_name": "x"})
+    r = _admin(live, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     assert load("c", dirs["c"]).status_code == 200
     error(load("d", dirs["d"]), 400, "lora_slots_full")  # a, b, c fill the 3 slots
@@ -135,17 +143,17 @@ def test_load_and_unload_with_their_errors(live, dirs, oracle) -> None:
     assert "c" in {m["id"] for m in models.json()["data"]}
     prompt = [10, 20, 30, 40]
     _check_answer(_complete(live, "c", prompt), oracle, "c", prompt)
-    r = _post(live, "/v1/unload_lora_adapter", {"lora_name": "c"})
+    r = _admin(live, "/v1/unload_lora_adapter", {"lora_name": "c"})
     assert r.status_code == 200, r.text
-    error(_post(live, "/v1/unload_lora_adapter", {"lora_name": "c"}), 404, "lora_not_found")
+    error(_admin(live, "/v1/unload_lora_adapter", {"lora_name": "c"}), 404, "lora_not_found")
     error(_complete(live, "c", prompt), 404, "model_not_found")
     assert load("d", dirs["d"]).status_code == 200  # its slot is free again
-    assert _post(live, "/v1/unload_lora_adapter", {"lora_name": "d"}).status_code == 200
+    assert _admin(live, "/v1/unload_lora_adapter", {"lora_name": "d"}).status_code == 200
 
 
 def test_an_adapter_unloaded_in_use_lets_its_request_finish(live, dirs, oracle) -> None:
     body = {"lora_name": "c", "lora_path": str(dirs["c"])}
-    assert _post(live, "/v1/load_lora_adapter", body).status_code == 200
+    assert _admin(live, "/v1/load_lora_adapter", body).status_code == 200
     prompt = [5, 6, 7, 8, 9]
     slow_steps(live, 0.1)
     answer: dict[str, httpx.Response] = {}
@@ -153,7 +161,7 @@ def test_an_adapter_unloaded_in_use_lets_its_request_finish(live, dirs, oracle) 
         thread = threading.Thread(target=lambda: answer.update(r=_complete(live, "c", prompt)))
         thread.start()
         assert wait_until(lambda: live.engine.num_running > 0)
-        r = _post(live, "/v1/unload_lora_adapter", {"lora_name": "c"})
+        r = _admin(live, "/v1/unload_lora_adapter", {"lora_name": "c"})
         assert r.status_code == 200, r.text
         thread.join(60)
     finally:
