@@ -31,7 +31,7 @@ from gptserve.server.admin import require_admin
 from gptserve.server.errors import APIError
 from gptserve.server.openai_api import engine_stopped
 from gptserve.server.protocol import (
-    ERROR_RESPONSES,
+    PLAIN_TEXT_ERRORS,
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
 )
@@ -101,7 +101,7 @@ def _adapter_errors(late: str) -> Iterator[None]:
 
 
 @router.post(
-    "/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES,
+    "/v1/load_lora_adapter", response_class=PlainTextResponse, responses=PLAIN_TEXT_ERRORS,
     dependencies=_GUARDS,
 )  # fmt: skip
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
@@ -122,7 +122,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
 
 
 @router.post(
-    "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES,
+    "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=PLAIN_TEXT_ERRORS,
     dependencies=_GUARDS,
 )  # fmt: skip
 async def unload_lora_adapter(

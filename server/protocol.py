@@ -299,6 +299,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     "4XX": {**_ERROR, "description": "bad request, auth, unknown model, body too large, overload"},
     503: {**_ERROR, "description": "not ready, engine failed"},
 }
+# the same for a route whose success is plain text: its errors are still JSON (FastAPI would
+# document them under the route's text/plain)
+_JSON_ERROR = {
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+}
+PLAIN_TEXT_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {**_JSON_ERROR, "description": response["description"]}
+    for status, response in ERROR_RESPONSES.items()
+}
 COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
 }
