@@ -203,6 +203,11 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def num_waiting_of(self, tenant: str | None) -> int:
+        """Sequences of `tenant` (SamplingParams.tenant) waiting for admission."""
+        # tuple(): a snapshot, taken while the engine thread may add and admit
+        return sum(1 for s in tuple(self.scheduler.waiting) if s.params.tenant == tenant)
+
     @property
     def num_waiting(self) -> int:
         # list(): other threads read this while the engine thread adds and retires requests

@@ -34,10 +34,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state: ServerState = request.app.state.server
     async_engine = state.require_ready()
     inputs = await run_in_threadpool(state.validator.embedding, body)  # tokenizing: off the loop
-    check_queue(state, async_engine)
-    inputs.params.tenant = request.scope.get(
-        TENANT_SCOPE_KEY
-    )  # admitted in turn (engine.scheduler)
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    check_queue(state, async_engine, tenant)
+    inputs.params.tenant = tenant  # admitted in turn with other keys' (engine.scheduler)
     prompts = inputs.prompts
     num_tokens = sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)

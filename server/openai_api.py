@@ -185,8 +185,13 @@ def engine_stopped(exc: EngineDeadError) -> APIError:
 TIMEOUT_FINISH = "length"
 
 
-def check_queue(state: ServerState, async_engine: AsyncEngine) -> None:
-    if async_engine.num_waiting >= state.settings.max_queue:
+def check_queue(state: ServerState, async_engine: AsyncEngine, tenant: str | None) -> None:
+    """429 when the queue is full: with API keys, each key's own queue (one key's backlog
+    never turns another key away), else the server's."""
+    waiting = (
+        async_engine.num_waiting if tenant is None else async_engine.engine.num_waiting_of(tenant)
+    )
+    if waiting >= state.settings.max_queue:
         raise APIError(
             429, "the server is overloaded: too many requests are waiting; retry later",
             code="queue_full", headers={"Retry-After": "1"},
@@ -208,10 +213,10 @@ async def accept(
     """
     async_engine = state.require_ready()
     inputs = await run_in_threadpool(validate, state.validator)
-    check_queue(state, async_engine)
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    check_queue(state, async_engine, tenant)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)
-    tenant = request.scope.get(TENANT_SCOPE_KEY)
     params.tenant = tenant  # admitted in turn with other keys' requests (engine.scheduler)
     params.cache_salt = request_cache_salt(
         state.settings.prefix_cache_scope, tenant, params.cache_salt
