@@ -1,0 +1,129 @@
+"""Fair admission between API keys: another key's stream while one key sends its largest request.
+
+    python bench/fairness.py [--model NAME|PATH] [--input-tokens 8000] [--rounds 2]
+
+Starts `gptserve serve` with two API keys. Key B's chat stream (48 new tokens, greedy) is timed
+alone, then while key A sends the worst request the limits admit: 16 inputs of --input-tokens
+token ids each to /v1/embeddings, then the same 16 as prompts to /v1/completions. Prints the
+host, then B's time to first token and whole stream in each case, the best of --rounds, against
+the goal (first token within 2 s, the stream within 3x its time alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO))
+
+from bench.host import print_host  # noqa: E402
+from tests.server.conftest import free_port  # noqa: E402
+
+KEY_A, KEY_B = "bench-bulk", "bench-chat"
+QUESTION = "Write a short poem about the sea."
+
+
+def victim(url: str) -> tuple[float, float]:
+    """B's stream: seconds to the first token and to the end."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    start, first = time.perf_counter(), None
+    headers = {"Authorization": f"Bearer {KEY_B}"}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers,
+                      timeout=1800) as r:  # fmt: skip
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    first = first or time.perf_counter()
+    return (first or time.perf_counter()) - start, time.perf_counter() - start
+
+
+BULK = """
+import json, sys, httpx
+url, endpoint, tokens, key = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+inputs = [[200 + i] * tokens for i in range(16)]
+body = {"input": inputs} if endpoint == "embeddings" else {"prompt": inputs, "max_tokens": 1}
+r = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=3600,
+               headers={"Authorization": f"Bearer {key}"})
+print(r.status_code, r.text[:200])
+"""
+
+
+def under_attack(url: str, endpoint: str, tokens: int) -> tuple[float, float]:
+    """B's stream while A's request runs; A's request is cut off after (its process killed: the
+    server aborts what a closed connection asked for), so each case starts from an idle server."""
+    bulk = subprocess.Popen([sys.executable, "-c", BULK, url, endpoint, str(tokens), KEY_A],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(1.0)  # A's request is in and running
+    result = victim(url)
+    if bulk.poll() is not None:
+        print(f"  note: {endpoint} ended before the stream: {bulk.stdout.read()}", flush=True)
+    bulk.kill()
+    bulk.wait()
+    while httpx.get(f"{url}/health", timeout=10).json().get("running", 0):
+        time.sleep(0.2)  # the aborted sequences leave
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--input-tokens", type=int, default=8000)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    print_host()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "gptserve.server", "--model", args.model, "--port", str(port),
+               "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit((Path(tmp) / "server.log").read_text()[-3000:])
+                time.sleep(0.5)
+            victim(url)  # warm-up
+            rows: dict[str, tuple[float, float]] = {}
+            for _ in range(args.rounds):
+                for name, run in [
+                    ("alone", lambda: victim(url)),
+                    ("with 16 x embeddings", lambda: under_attack(url, "embeddings", args.input_tokens)),
+                    ("with 16 x completions", lambda: under_attack(url, "completions", args.input_tokens)),
+                ]:  # fmt: skip
+                    first, total = run()
+                    best = rows.get(name, (float("inf"), float("inf")))
+                    rows[name] = (min(best[0], first), min(best[1], total))
+                    print(f"  {name}: first token {first:.2f} s, stream {total:.2f} s", flush=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+    alone = rows["alone"][1]
+    print(f"\n{args.model}, B's 48-token stream, best of {args.rounds} (goal: first token <= 2 s, "
+          "stream <= 3x alone)\n")  # fmt: skip
+    print("| case | first token (s) | stream (s) | stream / alone |")
+    print("|---|---|---|---|")
+    for name, (first, total) in rows.items():
+        print(f"| {name} | {first:.2f} | {total:.2f} | {total / alone:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
