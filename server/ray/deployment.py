@@ -24,7 +24,12 @@ from typing import Any
 from fastapi import FastAPI
 from gptserve.server.app import create_app
 from gptserve.server.runtime import ServerState
-from gptserve.server.settings import API_KEYS_ENV, Settings, SettingsError
+from gptserve.server.settings import (
+    ADMIN_API_KEYS_ENV,
+    API_KEYS_ENV,
+    Settings,
+    SettingsError,
+)
 from prometheus_client import CollectorRegistry
 from ray import serve
 from ray.serve import metrics as serve_metrics
@@ -178,14 +183,20 @@ def replica_id() -> str:
 
 
 def replica_app(settings: Settings) -> FastAPI:
-    """The replica's app: `create_app` with the keys in this process's environment added, and a
-    header that names the replica on every response."""
+    """The replica's app: `create_app` with the keys (and admin keys) in this process's
+    environment added, and a header that names the replica on every response."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    keys = list(dict.fromkeys([*settings.api_keys, *env_keys]))
-    app = create_app(replace(settings, api_keys=keys))
+
+    def with_env(given: list[str], variable: str) -> list[str]:
+        env = [k.strip() for k in os.environ.get(variable, "").split(",") if k.strip()]
+        return list(dict.fromkeys([*given, *env]))
+
+    app = create_app(replace(
+        settings, api_keys=with_env(settings.api_keys, API_KEYS_ENV),
+        admin_api_keys=with_env(settings.admin_api_keys, ADMIN_API_KEYS_ENV),
+    ))  # fmt: skip
     app.add_middleware(ReplicaHeader, replica=replica_id())
     return app
 
