@@ -3,7 +3,9 @@
 #
 #   bench/gpu_check.sh OUTDIR
 #
-# Runs from the source tree (PYTHONPATH=.), with GPTSERVE_TRITON_CUDA=1 so conftest.py leaves the
+# Runs from the source tree, gptserve found through a folder that holds only a link to gptserve/
+# (the root itself on PYTHONPATH would make its kernels/ shadow Hugging Face's `kernels`, which
+# transformers imports), with GPTSERVE_TRITON_CUDA=1 so conftest.py leaves the
 # Triton interpreter off and the kernel tests run compiled on CUDA tensors (bf16 included).
 # Each stage's full output is tee'd to OUTDIR/<stage>.log; a short summary table comes last and
 # is also written to OUTDIR/summary.txt. Every stage has its own timeout and the whole run has a
@@ -17,7 +19,9 @@ OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 
 PY=${PYTHON:-python3}
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+LINKS=$(mktemp -d)
+ln -s "$PWD/gptserve" "$LINKS/gptserve"
+export PYTHONPATH="$LINKS${PYTHONPATH:+:$PYTHONPATH}"
 export GPTSERVE_TRITON_CUDA=1
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 unset TRITON_INTERPRET

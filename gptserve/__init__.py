@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # older revision's tree or the GPU check runs the sources) they are found there too.
 import os as _os  # noqa: E402
 
-_checkout = _os.path.dirname(__path__[0])
+_checkout = _os.path.dirname(_os.path.realpath(__path__[0]))  # also through a symlink to it
 if not _os.path.isdir(_os.path.join(__path__[0], "model")) and _os.path.isfile(
     _os.path.join(_checkout, "model", "__init__.py")
 ):
