@@ -217,3 +217,22 @@ def test_the_image_steps_install_the_wheel_and_start_ready(tmp_path: Path) -> No
         assert isinstance(complete(url), str)
     assert "prebuilt -march=x86-64-v3" in serving.log, serving.log[-3000:]
     assert "compiling" not in serving.log and "fetching" not in serving.log, serving.log[-3000:]
+
+
+def test_python_train_py_from_the_root_does_not_shadow_hugging_faces_kernels() -> None:
+    """A script's own folder heads sys.path: train.py drops the root before importing, so the
+    root's kernels/ never stands in for Hugging Face's `kernels` there."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})  # as `python train.py` from the root has it\n"
+        f"runpy.run_path({str(REPO / 'train.py')!r}, run_name='probe')\n"
+        "import kernels, transformers\n"
+        "print(kernels.__file__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()).resolve() != REPO / "kernels" / "__init__.py", done.stdout
+    helped = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: gptserve train")
