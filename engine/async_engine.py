@@ -193,6 +193,11 @@ class AsyncEngine:
         """Free the request's sequences before the next engine step."""
         self._post(lambda: self.engine.abort(request_id))
 
+    def finish(self, request_id: str, index: int) -> None:
+        """End completion `index` of the request before the next engine step (`Engine.finish`):
+        its stream gets its last event, finish reason "stop", unless it has ended already."""
+        self._post(lambda: self._deliver(self.engine.finish(request_id, index)))
+
     def _add(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, admitted: bool
     ) -> None:

@@ -196,6 +196,23 @@ class Engine:
                 self.speculator.forget(seq)
         return True
 
+    def finish(self, request_id: str, index: int) -> list[TokenEvent]:
+        """End completion `index` of a request now, as a stop string would: the caller has all
+        it needs of it (the server, an answer that repeated a tool call). Its blocks are freed
+        and its last event (finish reason "stop", no tokens) returned; its siblings go on. []
+        when it has ended already, or has not generated a token yet (before the fork of n
+        completions, ending one would strand the others)."""
+        req = self._requests.get(request_id)
+        if req is None or not 0 <= index < len(req.seqs):
+            return []
+        seq = req.seqs[index]
+        if seq.finished or seq.num_generated == 0:
+            return []
+        seq.finish_reason = "stop"
+        event = self._event(req, seq, [], "", [], "stop")
+        self._retire(req, seq)
+        return [event]
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -273,7 +290,10 @@ class Engine:
                 try:
                     events.append(self._verify(req, part, logits[part.rows]))
                 except Exception as exc:  # its detokenizer or stop strings: this request alone
-                    log.exception("request %s failed in verification", req.request_id)
+                    log.exception(  # the server maps engine_request_id to the request's id
+                        "request %s failed in verification", req.request_id,
+                        extra={"engine_request_id": req.request_id},
+                    )  # fmt: skip
                     message = f"generation failed: {exc}"
                     events.extend(self._fail_request(req, message, SEQUENCE_ERROR))
                 continue
@@ -384,7 +404,10 @@ class Engine:
                 events.extend(self._fail_request(req, str(exc), GRAMMAR_ERROR))
                 continue
             except Exception as exc:  # detokenizer, stop strings: this request's own fault
-                log.exception("request %s failed on token %d", req.request_id, token)
+                log.exception(
+                    "request %s failed on token %d", req.request_id, token,
+                    extra={"engine_request_id": req.request_id},
+                )  # fmt: skip
                 events.extend(self._fail_request(req, f"generation failed: {exc}", SEQUENCE_ERROR))
                 continue
             lps = []
@@ -474,6 +497,8 @@ class Engine:
             num_prompt_tokens=len(req.prompt_ids), num_generated=seq.num_generated,
             num_cached_tokens=req.seqs[0].num_prefix_hit,
             text_offsets=seq.text_offsets[len(seq.text_offsets) - len(token_ids) :],
+            stop_reason=seq.stop_reason if finish is not None else None,
+            scheduled_at=req.seqs[0].scheduled_at,
         )  # fmt: skip
         if req.params.prompt_logprobs is not None and not req.prompt_lp_sent and seq.index == 0:
             event.prompt_logprobs = req.prompt_lp

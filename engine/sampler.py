@@ -1,8 +1,39 @@
 """Sampling parameters and a batched sampler whose rows each have their own parameters.
 
 The sampler turns a batch of logits into one token per row, with the token's logprob and the top-N
-alternatives. Logprobs are those of the model's distribution after logit_bias and penalties, before
-temperature and truncation (top-k/top-p/min-p), so they describe the model, not the dice.
+alternatives. Logprobs are those of the model's distribution after logit_bias and penalties (DRY
+too), before temperature and truncation (min-p/top-k/typical-p/top-p/XTC), so they describe the
+model, not the dice.
+
+The order of the steps; a row that does not ask for a step skips it and is left as it was:
+1. on the logits, every row (`apply_penalties`): logit_bias, presence and frequency penalties,
+   repetition_penalty, DRY, min_tokens' bans;
+2. a greedy row (temperature 0) takes the argmax there: no truncation step changes it;
+3. a sampled row: divided by its temperature, then `truncate`: min_p, top_k, typical_p, top_p,
+   XTC; then the draw.
+llama.cpp's default order is penalties, DRY, top_k, typical_p, top_p, min_p, XTC, temperature.
+This one differs in two places, both kept from before the llama.cpp samplers came so that no
+request changes: the temperature scales the logits before the truncation (vLLM's order; at
+temperature 1 the two agree), and min_p comes first (top_k, typical_p and top_p then see the
+distribution renormalised after it). A greedy row is greedy: typical_p and XTC, which can drop
+the best token, leave it alone (llama.cpp applies them before its greedy pick).
+
+The llama.cpp samplers, as its server defines them (our own code):
+- typical_p (locally typical sampling, Meister et al. 2022): the smallest set of tokens, taken by
+  |-log p - H| ascending (H the entropy of the distribution so far; ties: the more probable
+  first), whose probability reaches typical_p.
+- XTC (exclude top choices): with probability xtc_probability (one draw from the row's own
+  generator each sampled step, whatever the distribution) every token whose probability is at
+  least xtc_threshold is removed except the least probable of them (ties all kept), when at least
+  two reach it; a threshold above 0.5 leaves at most one such token, so XTC is off (no draw).
+- DRY (don't repeat yourself): a token that would extend a repetition of n >= dry_allowed_length
+  tokens (the longest suffix of the context's last dry_penalty_last_n tokens that occurs earlier
+  in them followed by that token) loses dry_multiplier * dry_base ** (n - dry_allowed_length)
+  from its logit. The suffix never reaches back across a sequence breaker (`DryBreakers`), and a
+  single-token breaker is never penalised itself. The exponent stops where dry_base ** exponent
+  would pass float32's largest value, as in llama.cpp, and so does the penalty (a logit DRY
+  lowers stays finite: a row never becomes all -inf through it).
+
 Each row is sampled as it would be alone: a seeded row draws its noise from its own generator, and
 each row is truncated by its own parameters only. So a seeded request's tokens depend on its batch
 only through its logits: on a CPU in float32 these are the same alone and in any batch to the bit,
@@ -15,16 +46,89 @@ The sampler runs on the logits' device and reads its results back to the host on
 
 from __future__ import annotations
 
+import functools
 import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from gptserve.engine.errors import RequestError
 from gptserve.engine.pooling import PoolingParams
 from gptserve.kernels.cpu.native import logit_stats_op
 
 MAX_LOGPROBS = 20
+# DRY's sequence breakers by default (llama.cpp's), and the bounds on a request's list
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 32
+# the llama.cpp samplers' fields, named as SamplingParams and the HTTP requests name them
+LLAMA_CPP_SAMPLER_FIELDS = (
+    "typical_p", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+)  # fmt: skip
+XTC_MAX_THRESHOLD = 0.5  # above it at most one token can reach the threshold: XTC is off
+_FLOAT32_MAX_LOG = 88.7228391  # log of float32's largest value: DRY's exponent stops below it
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # and its penalty there: a logit stays finite
+DRY_NUMPY_PASSES = 48  # DRY's runs longer than this are found by the Z-algorithm
+
+
+@dataclass(frozen=True)
+class DryBreakers:
+    """DRY's sequence breakers as token ids: `ids`, every token whose text contains a breaker
+    string; `sequences`, the tokenization of each breaker that takes several tokens. A
+    repetition never reaches back across a breaker token or a whole breaker sequence."""
+
+    ids: frozenset[int] = frozenset()
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+
+def check_dry_sequence_breakers(breakers: Any) -> None:
+    """RequestError unless breakers is a list of at most 16 non-empty strings of at most 32
+    characters each (valid Unicode)."""
+    param = "dry_sequence_breakers"
+    if not isinstance(breakers, (list, tuple)) or len(breakers) > MAX_DRY_BREAKERS:
+        raise RequestError(f"{param} must be a list of at most {MAX_DRY_BREAKERS} strings", param)
+    for text in breakers:
+        if not isinstance(text, str) or not 0 < len(text) <= MAX_DRY_BREAKER_CHARS:
+            raise RequestError(
+                f"{param} must be non-empty strings of at most {MAX_DRY_BREAKER_CHARS} characters",
+                param,
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"{param} contains invalid Unicode", param) from None
+
+
+class DryBreakerIndex:
+    """A tokenizer's DRY breakers: breaker strings -> `DryBreakers`. Each new string costs one
+    scan of the vocabulary's bytes (milliseconds); the last `cache_size` strings are kept."""
+
+    def __init__(self, tokenizer: Any, cache_size: int = 1024) -> None:
+        self._tokenizer = tokenizer
+        self._vocab = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self._one = functools.lru_cache(cache_size)(self._breaker)
+
+    def resolve(self, breakers: Sequence[str]) -> DryBreakers:
+        """The breakers' tokens (RequestError naming dry_sequence_breakers for a bad list)."""
+        check_dry_sequence_breakers(breakers)
+        ids: set[int] = set()
+        sequences: set[tuple[int, ...]] = set()
+        for text in breakers:
+            contain, sequence = self._one(text)
+            ids |= contain
+            if sequence:
+                sequences.add(sequence)
+        return DryBreakers(frozenset(ids), tuple(sorted(sequences)))
+
+    def _breaker(self, text: str) -> tuple[frozenset[int], tuple[int, ...] | None]:
+        needle = text.encode("utf-8")
+        contain = frozenset(i for i, piece in enumerate(self._vocab) if needle in piece)
+        ids = tuple(self._tokenizer.encode(text, allow_special=False))
+        return contain, (ids if len(ids) > 1 else None)
 
 
 @dataclass
@@ -35,7 +139,18 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0  # 1: off
+    xtc_probability: float = 0.0  # 0: off
+    xtc_threshold: float = 0.1  # above 0.5: off
     repetition_penalty: float = 1.0
+    dry_multiplier: float = 0.0  # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context; 0: off
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    # the breakers as tokens, resolved against the tokenizer (`DryBreakerIndex.resolve`; the
+    # server does it); None: not resolved, and DRY runs without breakers
+    dry_breakers: DryBreakers | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -85,6 +200,34 @@ class SamplingParams:
             "repetition_penalty",
             "must be > 0",
         )
+        check(finite(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "must be in (0, 1]")
+        check(
+            finite(self.xtc_probability) and 0 <= self.xtc_probability <= 1,
+            "xtc_probability",
+            "must be in [0, 1]",
+        )
+        check(
+            finite(self.xtc_threshold) and 0 <= self.xtc_threshold <= 1,
+            "xtc_threshold",
+            "must be in [0, 1] (above 0.5 XTC is off)",
+        )
+        check(
+            finite(self.dry_multiplier) and self.dry_multiplier >= 0,
+            "dry_multiplier",
+            "must be >= 0",
+        )
+        check(finite(self.dry_base) and self.dry_base > 1, "dry_base", "must be > 1")
+        check(
+            isinstance(self.dry_allowed_length, int) and self.dry_allowed_length >= 0,
+            "dry_allowed_length",
+            "must be >= 0",
+        )
+        check(
+            isinstance(self.dry_penalty_last_n, int) and self.dry_penalty_last_n >= -1,
+            "dry_penalty_last_n",
+            "must be -1 (the whole context), 0 (off) or a positive integer",
+        )
+        check_dry_sequence_breakers(self.dry_sequence_breakers)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
@@ -140,6 +283,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
+    def uses_xtc(self) -> bool:
+        return self.xtc_probability > 0 and self.xtc_threshold <= XTC_MAX_THRESHOLD
+
     def make_generator(self, offset: int = 0) -> torch.Generator | None:
         """The request's own RNG (seed + offset for the offset-th of n completions), or None."""
         if self.seed is None:
@@ -170,7 +321,7 @@ class SampleRow:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """logit_bias, repetition/presence/frequency penalties and min_tokens on (B, V) logits.
+    """logit_bias, repetition/presence/frequency penalties, DRY and min_tokens on (B, V) logits.
 
     The input is left as it was: the result is a copy, made at the first change, or the input
     itself when no row has anything to apply.
@@ -202,6 +353,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
                 vals = out[i, seen]
                 penalty = p.repetition_penalty
                 out[i, seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        if p.uses_dry:
+            penalties = dry_penalties(row.prompt_ids + row.output_ids, p)
+            if penalties:
+                ids = torch.tensor(list(penalties), dtype=torch.long, device=device)
+                values = torch.tensor(list(penalties.values()), dtype=logits.dtype, device=device)
+                own()[i, ids] -= values
         if len(row.output_ids) < p.min_tokens:
             banned = list(p.stop_token_ids)
             if row.eos_token is not None and not p.ignore_eos:
@@ -211,12 +368,100 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return copy[0] if copy else logits
 
 
-def truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Mask tokens outside each row's top-k / top-p / min-p set with -inf; (B, V) in place.
+def dry_penalties(tokens: Sequence[int], params: SamplingParams) -> dict[int, float]:
+    """DRY after `tokens` (the prompt and the output so far): token -> what its logit loses.
 
-    Each row is truncated as it would be alone: only the rows that ask for top-k or top-p go
-    through the sort, and top-p cuts only rows with top_p < 1 (in float32 the cumulative sum of a
-    large vocabulary reaches 1 before its tail, which would drop thousands of tokens).
+    Each position j of the window (its last dry_penalty_last_n tokens) holds a token that followed
+    a run matching the window's suffix; the run's length (at most the tokens after the last
+    breaker) is the repetition that token would extend. The runs grow one token a pass, over the
+    positions still matching (numpy), so a pass costs what is left of them; past
+    `DRY_NUMPY_PASSES` passes (long repetitions, where that grows quadratic) the Z-algorithm
+    finds them instead, in one linear pass in Python.
+    """
+    last_n = params.dry_penalty_last_n
+    window = list(tokens[-last_n:]) if last_n > 0 else list(tokens)
+    n, allowed = len(window), params.dry_allowed_length
+    if n < 2 or n <= allowed:
+        return {}
+    breakers = params.dry_breakers or DryBreakers()
+    limit = _tokens_after_breaker(window, breakers)
+    if limit < allowed:
+        return {}
+    seq = np.asarray(window, dtype=np.int64)
+    length = np.zeros(n - 1, dtype=np.int64)  # [e]: the run ending at e, followed by seq[e + 1]
+    alive = np.arange(n - 1)
+    for m in range(min(limit, n - 1)):
+        if m >= DRY_NUMPY_PASSES:
+            length = np.minimum(_suffix_runs(window), limit)
+            break
+        alive = alive[alive >= m]
+        alive = alive[seq[alive - m] == seq[n - 1 - m]]
+        if not alive.size:
+            break
+        length[alive] = m + 1
+    hit = np.nonzero(length >= allowed)[0]
+    if not hit.size:
+        return {}
+    follow, runs = seq[hit + 1], length[hit]
+    order = np.lexsort((runs, follow))  # by token, then run: each token's longest run last
+    follow, runs = follow[order], runs[order]
+    longest = np.append(follow[1:] != follow[:-1], True)
+    max_exp = int(_FLOAT32_MAX_LOG / math.log(params.dry_base))
+    mult, base = params.dry_multiplier, params.dry_base
+    return {
+        tok: min(mult * base ** min(run - allowed, max_exp), _FLOAT32_MAX)
+        for tok, run in zip(follow[longest].tolist(), runs[longest].tolist())
+        if tok not in breakers.ids
+    }
+
+
+def _suffix_runs(window: list[int]) -> np.ndarray:
+    """[e] for e < len(window) - 1: the longest common suffix of window[: e + 1] and window (the
+    Z-algorithm on the reversed window: z[k] is the common prefix of it and its k-th suffix)."""
+    r = window[::-1]
+    n = len(r)
+    z = [0] * n
+    left = right = 0  # the match found furthest right: r[left:right] == r[: right - left]
+    for k in range(1, n):
+        run = min(right - k, z[k - left]) if k < right else 0
+        while k + run < n and r[run] == r[k + run]:
+            run += 1
+        z[k] = run
+        if k + run > right:
+            left, right = k, k + run
+    return np.asarray(z[:0:-1], dtype=np.int64)  # e = n - 1 - k
+
+
+def _tokens_after_breaker(window: list[int], breakers: DryBreakers) -> int:
+    """How many of the window's tokens come after its last breaker token or breaker sequence."""
+    n = after = len(window)
+    if breakers.ids:
+        for k in range(n - 1, -1, -1):
+            if window[k] in breakers.ids:
+                after = n - 1 - k
+                break
+    if breakers.sequences and after:
+        data = array("q", window).tobytes()  # 8 bytes a token: bytes.rfind finds a sequence
+        for sequence in breakers.sequences:
+            needle = array("q", sequence).tobytes()
+            end = len(data)
+            while (at := data.rfind(needle, 0, end)) >= 0:
+                if at % 8 == 0:  # aligned on a token
+                    after = min(after, n - at // 8 - len(sequence))
+                    break
+                end = at + len(needle) - 1
+    return after
+
+
+def truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Mask tokens outside each row's min-p / top-k / typical-p / top-p set with -inf, then apply
+    XTC; (B, V) in place.
+
+    Each row is truncated as it would be alone: only the rows that ask for top-k, typical-p or
+    top-p go through the sort, typical-p changes only the rows that ask for it, and top-p cuts only
+    rows with top_p < 1 (in float32 the cumulative sum of a large vocabulary reaches 1 before its
+    tail, which would drop thousands of tokens). XTC draws once for each row that asks for it,
+    from the row's generator (or the global one), and changes only the rows it picks.
     """
     device = scaled.device
     min_p = [r.params.min_p for r in rows]
@@ -225,9 +470,22 @@ def truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
         floor = floor * probs.max(-1, keepdim=True).values
         scaled.masked_fill_(probs < floor, float("-inf"))
-    cut = [i for i, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1]
-    if not cut:
-        return scaled
+    cut = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.top_k > 0 or r.params.top_p < 1 or r.params.typical_p < 1
+    ]
+    if cut:
+        _sorted_cut(scaled, rows, cut)
+    xtc = [i for i, r in enumerate(rows) if r.params.uses_xtc]
+    if xtc:
+        _exclude_top_choices(scaled, rows, xtc)
+    return scaled
+
+
+def _sorted_cut(scaled: torch.Tensor, rows: list[SampleRow], cut: list[int]) -> None:
+    """top-k, typical-p and top-p on the rows `cut`, in place: one sort of those rows."""
+    device = scaled.device
     index = None if len(cut) == len(rows) else torch.tensor(cut, device=device)
     part = scaled if index is None else scaled[index]  # (C, V)
     sorted_logits, order = part.sort(dim=-1, descending=True)  # (C, V)
@@ -237,19 +495,68 @@ def truncate(scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device)[:, None]
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    guard = torch.ones(len(cut), 1, dtype=torch.bool, device=device)  # the best token survives
+    typical = [j for j, i in enumerate(cut) if rows[i].params.typical_p < 1]
+    if typical:  # those rows alone: the others keep their probabilities to the bit
+        at = torch.tensor(typical, device=device)
+        guard[at] = False  # the most typical token survives, which may not be the best
+        mass = [rows[cut[j]].params.typical_p for j in typical]
+        mass = torch.tensor(mass, dtype=probs.dtype, device=device)[:, None]
+        keep = drop[at] | _atypical(probs[at], mass)
+        drop[at] = keep
+        probs[at] = torch.softmax(sorted_logits[at].masked_fill(keep, float("-inf")), dim=-1)
     mass_before = probs.cumsum(-1) - probs  # probability of strictly better tokens
     top_p = [p if p < 1 else math.inf for p in (rows[i].params.top_p for i in cut)]
     drop |= mass_before >= torch.tensor(top_p, dtype=probs.dtype, device=device)[:, None]
-    drop[:, 0] = False  # the best token always survives
+    drop[:, :1] &= ~guard
     kept = sorted_logits.masked_fill(drop, float("-inf"))
     if index is None:
-        return scaled.scatter_(1, order, kept)
-    return scaled.index_copy_(0, index, part.scatter_(1, order, kept))  # part is a copy
+        scaled.scatter_(1, order, kept)
+    else:
+        scaled.index_copy_(0, index, part.scatter_(1, order, kept))  # part is a copy
+
+
+def _atypical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling: (T, V) probabilities sorted best first and (T, 1) typical_p ->
+    (T, V) bool, the tokens outside the smallest set that, taken by |-log p - H| ascending (ties
+    in that order: the better token first), holds typical_p of the probability."""
+    entropy = -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)  # 0 log 0 = 0
+    shift = (-torch.log(probs) - entropy).abs()  # inf where p = 0: last
+    shift, by_shift = shift.sort(dim=-1, stable=True)
+    taken = probs.gather(1, by_shift)
+    drop = (taken.cumsum(-1) - taken) >= mass  # what came before already holds typical_p
+    drop[:, 0] = False
+    return torch.zeros_like(drop).scatter_(1, by_shift, drop)
+
+
+def _exclude_top_choices(scaled: torch.Tensor, rows: list[SampleRow], xtc: list[int]) -> None:
+    """XTC on the rows `xtc`, in place: each draws whether it applies this step; in a row that
+    does, every token of probability >= xtc_threshold but the least probable of them goes, if at
+    least two reach it."""
+    picked = []
+    for i in xtc:
+        gen = rows[i].generator
+        draw = float(torch.rand(1, generator=gen)) if gen is not None else float(torch.rand(1))
+        if draw < rows[i].params.xtc_probability:
+            picked.append(i)
+    if not picked:
+        return
+    device = scaled.device
+    index = torch.tensor(picked, device=device)
+    part = scaled[index]  # (X, V), a copy
+    probs = torch.softmax(part, dim=-1)
+    threshold = [rows[i].params.xtc_threshold for i in picked]
+    threshold = torch.tensor(threshold, dtype=probs.dtype, device=device)[:, None]
+    top = (probs >= threshold) & (part > float("-inf"))  # a masked token never counts
+    least = probs.masked_fill(~top, math.inf).min(dim=-1, keepdim=True).values
+    drop = top & (probs > least) & (top.sum(-1, keepdim=True) >= 2)
+    scaled.index_copy_(0, index, part.masked_fill_(drop, float("-inf")))
 
 
 def draw_distribution(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """(B, V) penalised logits of sampled rows (temperature > 0) -> the (B, V) probabilities each
-    row draws from: divided by its temperature, truncated (top-k/top-p/min-p), softmaxed.
+    row draws from: divided by its temperature, truncated (min-p/top-k/typical-p/top-p/XTC: XTC
+    draws from a row's generator), softmaxed.
 
     The sampler and speculative verification (`engine.verify`) both draw from this.
     """

@@ -21,6 +21,7 @@ cannot hold another's first token:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -171,6 +172,8 @@ class Scheduler:
             seq.passed_over = 0
             self.waiting.remove(seq)
             self.running.append(seq)
+            if seq.scheduled_at is None:  # its queue wait ends (the server's traces report it)
+                seq.scheduled_at = time.perf_counter()
             if seq.num_generated == 0 and reuses:  # first admission
                 seq.num_prefix_hit = seq.num_cached
                 self.blocks.count_prefix_query(seq.num_prompt, seq.num_cached)

@@ -61,6 +61,9 @@ class TokenEvent:
     text_offsets: list[int] = field(default_factory=list)
     # an embedding request's one event: its vector (pooled, L2-normalized; engine.pooling)
     embedding: list[float] | None = None
+    # time.perf_counter() when a step first ran the request (its wait in the queue ends)
+    scheduled_at: float | None = None
+    stop_reason: str | None = None  # on the last event: the stop string that ended it, if one did
 
     @property
     def finished(self) -> bool:
@@ -90,6 +93,7 @@ class Sequence:
         self.constraint = None if params.constraint is None else params.constraint.fork()
         self.generator: torch.Generator | None = params.make_generator(index)
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
         self._tokenizer = tokenizer
         self._detok = tokenizer.detokenizer()
         self._text = ""  # all text decoded so far
@@ -100,6 +104,7 @@ class Sequence:
         self.lora_slot = BASE_SLOT  # the LoRA slot its rows use (none: the base), set by the engine
         self.prefix_salt: Salt = params.cache_salt  # its prefix-cache blocks' salt (and adapter)
         self.passed_over = 0  # admissions made past it while it waited for room (engine.scheduler)
+        self.scheduled_at: float | None = None  # perf_counter() at its first admission
 
     @property
     def output_ids(self) -> list[int]:
@@ -137,8 +142,9 @@ class Sequence:
             self._stop_from = len(self._text)
         self._text += self._detok.add(token)
         if p.stop and n_out >= p.min_tokens:
-            cut = self._find_stop()
-            if cut is not None:
+            found = self._find_stop()
+            if found is not None:
+                cut, self.stop_reason = found
                 self.finish_reason = "stop"
                 self._text = self._text[:cut]
                 return self._release(self._text[self._released :])
@@ -149,16 +155,16 @@ class Sequence:
             return self._release(self._text[self._released :])
         return self._release(self._text[self._released : len(self._text) - self._held_back()])
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
         """Index in _text where the earliest stop string begins, among those that end in text
         not yet released and past _stop_from (held-back text never begins inside released text,
-        so neither does a match)."""
+        so neither does a match), and that string (the first listed of those found there)."""
         hits = []
         for s in self.params.stop:
             start = max(0, self._released - len(s) + 1, self._stop_from - len(s) + 1)
             if (i := self._text.find(s, start)) >= 0:
-                hits.append(i)
-        return min(hits) if hits else None
+                hits.append((i, s))
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _held_back(self) -> int:
         """Length of the longest tail of _text that could begin a stop string."""

@@ -337,7 +337,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedPlan]):
         step = self.one_call_step(k_pool, v_pool, plan)
         n, scale = qkv.shape[0], k_pool.shape[-1] ** -0.5
         if cos is not None:
-            cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, D)
+            cos, sin = cos.view(n, -1), sin.view(n, -1)  # (N, R): R < D rotates part of a head
         return native_ops().paged_decode_qkv(
             qkv, cos, sin, *step, n_head, scale, out_dtype or torch.float32, plan.window or 0
         )

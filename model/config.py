@@ -31,7 +31,8 @@ class ModelConfig:
 
     The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3) is these fields, not another
     model: pos_encoding "rotary" (rope_theta, and rope_scaling {"rope_type": "llama3", ...}, or
-    Phi-3's {"rope_type": "longrope", "short_factor", "attention_factor"}), norm
+    Phi-3's {"rope_type": "longrope", "short_factor", "attention_factor"}; rotary_dim when only a
+    head's leading channels rotate, Phi-4-mini's), norm
     "rmsnorm", activation "swiglu", n_kv_head < n_head for grouped-query attention, head_size
     when heads are not n_embd // n_head wide, qkv_bias (Qwen2) and qk_norm (Qwen3: RMSNorm of
     each query and key head before the rotation), bias False, tie_embeddings as the checkpoint.
@@ -64,6 +65,10 @@ class ModelConfig:
     qk_norm: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # how many leading channels of each query and key head rotate (Phi-4-mini's
+    # partial_rotary_factor of head_dim, as transformers takes it): the rotation's frequencies are
+    # over these, and the channels after them pass through unrotated; None: all head_dim
+    rotary_dim: int | None = None
     # sliding-window attention (Mistral, Gemma 3, Phi-3): a windowed layer's query at position i
     # sees keys at positions j with i - sliding_window < j <= i (itself included), as Hugging
     # Face's `sliding_window`; None: every layer attends to the whole context
@@ -93,6 +98,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading channels of each query and key head that rotate (`rotary_dim`)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -144,7 +154,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("n_kv_head", "head_size", "intermediate_size"):
+        for name in ("n_kv_head", "head_size", "intermediate_size", "rotary_dim"):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0
@@ -176,6 +186,15 @@ class ModelConfig:
             raise ConfigError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.pos_encoding == "rotary" and self.head_dim % 2 != 0:
             raise ConfigError(f"rotary positions need an even head dim, got {self.head_dim}")
+        if self.rotary_dim is not None and (
+            self.pos_encoding != "rotary"
+            or self.rotary_dim % 2 != 0
+            or self.rotary_dim > self.head_dim
+        ):
+            raise ConfigError(
+                f"rotary_dim must be an even number of channels up to head_dim ({self.head_dim}) "
+                f"with pos_encoding 'rotary', got {self.rotary_dim}"
+            )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_SCALINGS:
@@ -185,10 +204,10 @@ class ModelConfig:
                 )
             if kind == "longrope":
                 short = self.rope_scaling.get("short_factor")
-                if not isinstance(short, list) or len(short) != self.head_dim // 2:
+                if not isinstance(short, list) or len(short) != self.rope_dim // 2:
                     raise ConfigError(
-                        f"longrope's short_factor must be a list of head_dim / 2 = "
-                        f"{self.head_dim // 2} numbers"
+                        f"longrope's short_factor must be a list of rotary_dim / 2 = "
+                        f"{self.rope_dim // 2} numbers"
                     )
                 if not isinstance(self.rope_scaling.get("attention_factor"), (int, float)):
                     raise ConfigError("longrope's attention_factor must be a number")

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gptserve.kernels import flash_attention
 from gptserve.kernels.metadata import AttentionMetadata, AttentionPlan, PagedKV
+from gptserve.model.chunked_loss import head_loss
 from gptserve.model.config import ModelConfig
 from gptserve.model.rmsnorm import GemmaRMSNorm, RMSNorm
 from gptserve.model.rotary import (
@@ -41,7 +42,7 @@ def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
 
 Rope = (
     tuple[torch.Tensor, torch.Tensor] | None
-)  # cos, signed sin (N, 1, head_dim) of each token (model.rotary); None: no rotary
+)  # cos, signed sin (N, 1, rope_dim) of each token (model.rotary); None: no rotary
 
 
 def _norm(config: ModelConfig, dim: int, scale: float = 1.0) -> nn.Module:
@@ -226,13 +227,13 @@ class GPT(nn.Module):
             table = sinusoidal_table(config.block_size, config.n_embd)
             self.register_buffer("pos_table", table, persistent=False)
         if config.pos_encoding == "rotary":
-            inv_freq = rotary_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+            inv_freq = rotary_inv_freq(config.rope_dim, config.rope_theta, config.rope_scaling)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # float32 always
         self.rope_factor = rotary_attention_factor(config.rope_scaling)  # 1.0 but for longrope
         # Gemma 3: sliding-window layers rotate by another base (one more table per forward)
         self.local_rope_layers = config.local_rope_layers()
         if self.local_rope_layers is not None:
-            local = rotary_inv_freq(config.head_dim, config.rope_local_theta)
+            local = rotary_inv_freq(config.rope_dim, config.rope_local_theta)
             self.register_buffer("rope_local_inv_freq", local, persistent=False)
         # Gemma: a float32 scalar cast with the model, as transformers rounds it; None: no scale
         scale = None if config.embed_scale is None else torch.tensor(float(config.embed_scale))
@@ -318,11 +319,10 @@ class GPT(nn.Module):
     def loss(
         self, idx: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1
     ) -> torch.Tensor:
-        """Mean cross-entropy of next-token predictions; targets equal to ignore_index count for nothing."""
-        logits = self(idx)  # (B, T, V)
-        return F.cross_entropy(
-            logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=ignore_index
-        )
+        """Mean cross-entropy of next-token predictions; targets equal to ignore_index count for
+        nothing. The head runs over row chunks (model.chunked_loss): the batch's logits are never
+        all held at once."""
+        return head_loss(self, self._final_norm(self.hidden(idx)), targets, ignore_index)
 
     def forward_cached(
         self,

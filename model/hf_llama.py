@@ -4,7 +4,8 @@ configs.
 A family is a config entry plus a name map, not another model: `config_from_hf` reads the fields
 of config.json into a `ModelConfig` (rotary, RMSNorm, SwiGLU, grouped-query attention, ...), and
 `state_from_hf` renames the weights, joining q/k/v into one `c_attn` and gate/up into one `c_fc`
-(Phi-3 stores them joined already, in that order: `qkv_proj`, `gate_up_proj`). Weights come from
+(Phi-3 stores them joined already, in that order: `qkv_proj`, `gate_up_proj`; Phi-4-mini is a
+Phi-3 that rotates only part of each head, `ModelConfig.rotary_dim`). Weights come from
 `model.safetensors` or from the shards that `model.safetensors.index.json` lists. Gemma 3 is
 `model.hf_gemma`; `architecture` names every architecture a directory may have.
 """
@@ -120,14 +121,13 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     window, layer_types = _windows(arch, raw)
     if raw.get("mlp_bias"):
         raise ConfigError("mlp_bias true is not supported")
-    if arch == "Phi3ForCausalLM":
-        _check_phi3(raw)
     qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
     if raw.get("attention_bias") and not qwen3:
         raise ConfigError("attention_bias true (biases on every projection) is not supported")
     theta, scaling = _rope(raw)
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or hidden // heads
+    rotary_dim = _check_phi3(raw, head_dim) if arch == "Phi3ForCausalLM" else None
     return ModelConfig(
         vocab_size=raw["vocab_size"],
         block_size=context_length(raw, scaling),
@@ -147,21 +147,33 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_dim=rotary_dim,
         sliding_window=window,
         layer_types=layer_types,
         tokenizer="hf",
     )
 
 
-def _check_phi3(raw: dict[str, Any]) -> None:
-    """Phi-3's own fields: a partial rotation is refused (its longrope scaling by `_rope`)."""
-    params = raw.get("rope_parameters") or {}
-    partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+def _check_phi3(raw: dict[str, Any], head_dim: int) -> int | None:
+    """Phi-3's own fields (its longrope scaling is `_rope`'s): the rotary dim of a partial
+    rotation (Phi-4-mini's partial_rotary_factor 0.75), int(factor * head_dim) leading channels
+    of each head as transformers takes them; None: the whole head."""
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"Phi-3 hidden_act {act!r} is not supported (only silu)")
+    params = raw.get("rope_parameters") or {}
+    partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    if partial is None or partial == 1:
+        return None
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial < 1:
+        raise ConfigError(f"partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(
+            f"partial_rotary_factor {partial} of head_dim {head_dim} rotates {rotary_dim} "
+            "channels; an even number of at least 2 is needed"
+        )
+    return rotary_dim
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -4,6 +4,11 @@ A head's channels are two halves (x1, x2); position p turns each pair (x1[i], x2
 p * inv_freq[i]: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1). That is the layout
 of Llama, Mistral and Qwen checkpoints as transformers stores them (GGUF files store Q and K rows
 interleaved instead; their loader undoes that permutation).
+
+A partial rotation (Phi-4-mini's partial_rotary_factor, `ModelConfig.rotary_dim`) turns only a
+head's leading R channels, as transformers does: the frequencies are `rotary_inv_freq(R, ...)`,
+cos and sin are R wide, the halves are those of the R channels, and the channels after them pass
+through as they are.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 def rotary_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None = None
 ) -> torch.Tensor:
-    """(head_dim // 2,) float32 angular frequencies, with Llama 3's long-context rescaling when
+    """(head_dim // 2,) float32 angular frequencies (head_dim: the channels that rotate), with Llama 3's long-context rescaling when
     `scaling` is {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}, or every frequency divided by `factor` when it is
     {"rope_type": "linear", "factor"} (Gemma 3's global layers), or each divided by its
@@ -57,7 +62,8 @@ def rotary_attention_factor(scaling: dict[str, Any] | None) -> float:
 def rotary_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) positions -> cos and signed sin, each (N, 1, head_dim), computed in float32 (times
+    """(N,) positions -> cos and signed sin, each (N, 1, R) for `inv_freq`'s R / 2 frequencies
+    (R: head_dim, or a partial rotation's rotary_dim), computed in float32 (times
     `factor`, `rotary_attention_factor`'s) and cast to dtype: sin's first half is negated, so that
     `apply_rotary` needs no negation per call."""
     angles = positions.float()[:, None] * inv_freq[None, :]  # (N, hd/2)
@@ -70,10 +76,16 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., N, H, hd) by `rotary_cos_sin`'s cos/sin (N, 1, hd) of each token's position.
+    """Rotate x (..., N, H, hd) by `rotary_cos_sin`'s cos/sin (N, 1, R) of each token's position:
+    all of each head when R is hd, else its first R channels (the rest as they are).
 
     x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) is, with the halves swapped
     by a roll and the sign folded into sin, x * cos + (x2, x1) * (-sin1, sin2): four operations
     (not `addcmul`, whose fused rounding moves a GGUF model at its bits off its float twin).
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return x * cos + x.roll(width // 2, dims=-1) * sin
+    turned = x[..., :width]
+    turned = turned * cos + turned.roll(width // 2, dims=-1) * sin
+    return torch.cat([turned, x[..., width:]], dim=-1)

@@ -23,6 +23,8 @@ from gptserve.server.embeddings_api import router as embeddings_router
 from gptserve.server.errors import APIError, bad_request, install_error_handlers
 from gptserve.server.hosts import host_allowed
 from gptserve.server.lora_api import router as lora_router
+from gptserve.server.messages.api import router as messages_router
+from gptserve.server.messages.errors import AnthropicErrorShape
 from gptserve.server.metrics import Metrics
 from gptserve.server.openai_api import router as openai_router
 from gptserve.server.protocol import (
@@ -34,12 +36,14 @@ from gptserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gptserve.server.request_ids import install as install_request_ids
 from gptserve.server.responses.api import router as responses_router
 from gptserve.server.responses.store import ResponseStore
 from gptserve.server.runtime import LoadedModel, ServerState, load_model
 from gptserve.server.settings import Settings
 from gptserve.server.streams import ClientGone
 from gptserve.server.tenancy import TENANT_SCOPE_KEY, key_tenant
+from gptserve.server.tracing import start_tracing
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -114,7 +118,8 @@ class AdmissionControl:
             if tenant is None:
                 err = APIError(
                     401,
-                    "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                    "missing or invalid API key (send 'Authorization: Bearer KEY' or "
+                    "'x-api-key: KEY')",
                     code="invalid_api_key",
                 )
                 await err.response()(scope, receive, send)
@@ -152,13 +157,16 @@ class AdmissionControl:
         await self.app(scope, _replay(body, receive), send)
 
     def _tenant(self, scope: Scope) -> tuple[str | None, bool]:
-        """The tenant of the request's Bearer key (None when it has no configured key), and
-        whether the key is an admin key."""
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
+        """The tenant of the request's Bearer key, else of its `x-api-key` header (Anthropic's;
+        None when it has no configured key), and whether the key is an admin key."""
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            token = token.strip()
+        elif b"x-api-key" in headers:
+            token = headers[b"x-api-key"].strip()
+        else:
             return None, False
-        token = token.strip()
         found, admin = None, False
         for key, tenant, is_admin_key in self.keys:  # every key compared, in constant time
             if hmac.compare_digest(token, key):
@@ -206,6 +214,7 @@ def create_app(
     warn_about_admin_scope(settings)
     metrics = Metrics()
     state = ServerState(settings, metrics, loader)
+    tracer = start_tracing(settings.otlp_traces_endpoint)  # None: OpenTelemetry never imported
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -214,6 +223,8 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(state.stop)
+            if tracer is not None:  # the last spans go out
+                await asyncio.to_thread(tracer.shutdown)
 
     app = FastAPI(
         title="gptserve",
@@ -222,6 +233,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.server = state
+    app.state.tracer = tracer  # server.request_log records each request's span with it
     app.state.responses = ResponseStore(settings.responses_store_size)  # server.responses
     install_error_handlers(app)
 
@@ -232,11 +244,14 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(embeddings_router)
     app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(lora_router)
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(AdmissionControl, settings=settings, metrics=metrics)
+    install_request_ids(app)  # X-Request-Id around everything, Starlette's 500s included
+    app.add_middleware(AnthropicErrorShape)  # outside the gate: its 401/413/429 are reshaped too
     return app
 
 

@@ -22,8 +22,10 @@ import sys
 import uvicorn
 from gptserve.server.app import create_app
 from gptserve.server.hosts import is_loopback
+from gptserve.server.logging_setup import setup_logging, uvicorn_log_config
 from gptserve.server.runtime import ModelLoadError, preflight, process_seconds
 from gptserve.server.settings import API_KEYS_ENV, Settings, SettingsError, settings_from_args
+from gptserve.server.tracing import TracingUnavailable, check_tracing
 
 
 def bind(settings: Settings) -> socket.socket:
@@ -42,8 +44,9 @@ def bind(settings: Settings) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(argv)
+        check_tracing(settings.otlp_traces_endpoint)
         preflight(settings)
-    except (SettingsError, ModelLoadError) as exc:
+    except (SettingsError, ModelLoadError, TracingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -51,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the port is taken, the address is not this machine's, ...
         print(f"error: cannot bind {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(settings.log_level, settings.log_format)  # text or JSON, with request ids
     if not is_loopback(settings.host) and not settings.auth_keys:
         logging.getLogger("server").warning(
             "binding %s with no API key: anyone who can reach this port can use the model; "
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace,
         access_log=settings.log_level == "debug",
+        **uvicorn_log_config(settings.log_format),
     )
     server = uvicorn.Server(config)
     state = app.state.server

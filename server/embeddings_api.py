@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 import uuid
 from contextlib import aclosing
 
@@ -15,6 +16,7 @@ from gptserve.engine.sequence import SEQUENCE_ERROR
 from gptserve.server.errors import APIError
 from gptserve.server.openai_api import check_queue, engine_stopped
 from gptserve.server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
+from gptserve.server.request_log import RequestLog
 from gptserve.server.runtime import ServerState
 from gptserve.server.streams import ClientGone, RequestTimeout, merged_events
 from gptserve.server.tenancy import TENANT_SCOPE_KEY
@@ -42,13 +44,18 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state.metrics.prompt_tokens.inc(num_tokens)
     vectors: list[list[float] | None] = [None] * len(prompts)
     status: int | str = 200
+    engine_id, model = f"embd-{uuid.uuid4().hex}", inputs.params.lora or state.loaded.name
+    account = RequestLog.begin(request, ENDPOINT, engine_id, model, num_tokens, time.perf_counter())
+    scheduled: list[float] = []  # when the engine first ran each input
     try:
         events = merged_events(
-            async_engine, f"embd-{uuid.uuid4().hex}", prompts, inputs.params,
-            state.settings.request_timeout, watch=request,
+            async_engine, engine_id, prompts, inputs.params, state.settings.request_timeout,
+            watch=request,
         )  # fmt: skip
         async with aclosing(events) as stream:  # leaving early aborts what still runs
             async for index, event in stream:
+                if event.scheduled_at is not None:
+                    scheduled.append(event.scheduled_at)
                 if event.error is not None:
                     own = event.error_code == SEQUENCE_ERROR
                     who = "this request" if own else "the engine"
@@ -72,6 +79,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         raise
     finally:
         state.metrics.count_request(ENDPOINT, status, None)
+        account.finish(status, scheduled_at=min(scheduled, default=None))
     data = [
         {
             "object": "embedding",
@@ -85,7 +93,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         {
             "object": "list",
             "data": data,
-            "model": inputs.params.lora or state.loaded.name,
+            "model": model,
             "usage": usage,
         }
     )

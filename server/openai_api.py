@@ -26,8 +26,16 @@ from gptserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from gptserve.server.request_log import RequestLog
 from gptserve.server.runtime import ServerState
-from gptserve.server.streams import Choice, ChoiceTracker, ClientGone, RequestTimeout, merged_events
+from gptserve.server.streams import (
+    Choice,
+    ChoiceTracker,
+    ClientGone,
+    RequestTimeout,
+    engine_id,
+    merged_events,
+)
 from gptserve.server.tenancy import TENANT_SCOPE_KEY, request_cache_salt
 from gptserve.server.validation import EngineInputs, Validator
 from starlette.concurrency import run_in_threadpool
@@ -64,6 +72,9 @@ class AcceptedRequest:
     tool_parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # by choice
     endpoint: str = ""  # the metrics' label (default: kind)
     splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)  # by choice
+    # a whole answer's calls read as they come (`watch_calls`), by choice
+    call_watchers: dict[int, ToolCallParser] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)  # choices ended at a repeated call
 
     def __post_init__(self) -> None:
         self.endpoint = self.endpoint or self.kind
@@ -89,6 +100,28 @@ class AcceptedRequest:
         if index not in self.tool_parsers:
             self.tool_parsers[index] = ToolCallParser(fmt)
         return self.tool_parsers[index]
+
+    def end_choice(self, index: int) -> None:
+        """Choice `index`'s answer is over before the engine ended it: it repeated a tool call
+        (`ToolCallParser.repeated`). Its sequence is stopped so that no more tokens are spent on
+        it, and what the engine still sends of it is not read."""
+        if index not in self.ended:
+            self.ended.add(index)
+            n = self.inputs.params.n
+            self.async_engine.finish(engine_id(self.id, index // n), index % n)
+
+    def watch_calls(self, choice: Choice, text_start: int, finished: bool) -> None:
+        """A whole chat answer's calls, read as its text comes (the answer itself is parsed from
+        the whole text at the end, to the same calls): one that repeats an earlier call ends
+        the choice (`end_choice`), as a stream's parser does."""
+        fmt = self.inputs.tool_format
+        if self.kind != "chat" or fmt is None:
+            return
+        watcher = self.call_watchers.setdefault(choice.index, ToolCallParser(fmt))
+        _, text = self.split_reasoning(choice.index, "".join(choice.text[text_start:]), finished)
+        watcher.feed(text, last=finished)
+        if watcher.repeated:
+            self.end_choice(choice.index)
 
     def count_tool_calls(self, calls: list[dict]) -> None:
         """Calls handed to the client (a streamed call counts at its first chunk)."""
@@ -227,11 +260,16 @@ async def accept(
     )
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     model = params.lora or loaded.name  # the name the request asked for
-    return AcceptedRequest(
+    accepted = AcceptedRequest(
         kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, async_engine, inputs,
         tracker, state.settings.request_timeout, state.settings.stream_interval,
         endpoint=endpoint or kind,
     )  # fmt: skip
+    tracker.log = RequestLog.begin(  # its finished line and span, where the tracker finishes
+        request, accepted.endpoint, accepted.id, model, accepted.prompt_tokens, tracker.started,
+        params,
+    )  # fmt: skip
+    return accepted
 
 
 async def _answer(
@@ -313,13 +351,17 @@ async def collect(accepted: AcceptedRequest, request: Request) -> None:
     try:
         async with _events(accepted, watch=request) as events:
             async for index, event in events:
-                choice, _, _ = accepted.apply(index, event, prompt_lps)
+                choice, text_start, _ = accepted.apply(index, event, prompt_lps)
+                if index in accepted.ended:
+                    continue  # its answer ended at a repeated tool call: the rest is not read
                 if choice.error is not None:
                     raise _failed(accepted, choice)
+                accepted.watch_calls(choice, text_start, event.finish_reason is not None)
     except RequestTimeout:  # what it generated, cut short (--request-timeout)
         for choice in accepted.tracker.choices:
             if choice.finish_reason is None and choice.error is None:
-                choice.finish_reason = TIMEOUT_FINISH
+                if choice.index not in accepted.ended:
+                    choice.finish_reason = TIMEOUT_FINISH
     except EngineDeadError as exc:
         accepted.tracker.finish(endpoint, 503)
         raise engine_stopped(exc) from None
@@ -377,6 +419,8 @@ async def stream_pieces(accepted: AcceptedRequest) -> AsyncIterator[dict]:
         async with _events(accepted) as events:
             async for index, event in events:
                 choice, text_start, lp_start = accepted.apply(index, event, prompt_lps)
+                if index in accepted.ended:
+                    continue  # its answer ended at a repeated tool call: nothing more is sent
                 if choice.error is not None:
                     raise _failed(accepted, choice)
                 text_start, lp_start = held.pop(index, (text_start, lp_start))
@@ -388,12 +432,17 @@ async def stream_pieces(accepted: AcceptedRequest) -> AsyncIterator[dict]:
                     held[index] = (text_start, lp_start)  # --stream-interval: not yet
                     continue
                 piece = _delta(accepted, choice, event, text_start, lp_start)
+                parser = accepted.tool_parsers.get(index)
+                if parser is not None and parser.repeated:  # the piece ends it: "tool_calls"
+                    accepted.end_choice(index)
                 if piece is not None:
                     sent[index] = choice.num_generated
                     yield piece
     except RequestTimeout:  # each unfinished choice ends here, with what it generated
         for choice in accepted.tracker.choices:
             if choice.finish_reason is not None or choice.error is not None:
+                continue
+            if choice.index in accepted.ended:
                 continue
             choice.finish_reason = TIMEOUT_FINISH
             text_start, lp_start = held.pop(choice.index, (len(choice.text), len(choice.lp_tokens)))  # fmt: skip

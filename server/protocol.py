@@ -126,6 +126,31 @@ class SamplingFields(StructuredFields):
     top_k: int | None = Field(None, description="0 or -1: off")
     min_p: Finite | None = None
     repetition_penalty: Finite | None = None
+    # llama.cpp's samplers (engine.sampler says how each works and in which order)
+    typical_p: Finite | None = Field(None, description="locally typical sampling, (0, 1]; 1: off")
+    xtc_probability: Finite | None = Field(
+        None, description="XTC: the chance a step removes the top choices, [0, 1]; 0: off"
+    )
+    xtc_threshold: Finite | None = Field(
+        None,
+        description="XTC: tokens at least this probable but the least of them go, [0, 1]; "
+        "default 0.1; above 0.5: off",
+    )
+    dry_multiplier: Finite | None = Field(
+        None, description="DRY: the repetition penalty's scale, >= 0; 0 (default): off"
+    )
+    dry_base: Finite | None = Field(None, description="DRY: > 1; default 1.75")
+    dry_allowed_length: int | None = Field(
+        None, description="DRY: repetitions up to this long go free, >= 0; default 2"
+    )
+    dry_penalty_last_n: int | None = Field(
+        None, description="DRY: the tokens it looks back over; -1 (default): all, 0: off"
+    )
+    dry_sequence_breakers: list[str] | None = Field(
+        None,
+        description="DRY: a repetition never spans these, up to 16 strings of 1-32 characters; "
+        'default ["\\n", ":", "\\"", "*"]',
+    )
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False

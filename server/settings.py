@@ -119,6 +119,17 @@ class Settings:
     log_level: str = flag(
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )
+    log_format: str = flag(
+        "text", "log lines as text (time, level, logger, the request's X-Request-Id, message) or "
+        "json (one object a line; a finished request's line has its model, tokens and timings)",
+        choices=("text", "json"),
+    )  # fmt: skip
+    otlp_traces_endpoint: str | None = flag(
+        None, "send a span per request (OpenTelemetry's GenAI attributes, the caller's "
+        "traceparent continued) to this OTLP HTTP/protobuf URL, e.g. "
+        "http://localhost:4318/v1/traces (a URL without a path gets /v1/traces); needs "
+        "pip install 'gptserve[otel]'",
+    )  # fmt: skip
     shutdown_grace: float = flag(30.0, "seconds in-flight requests get after SIGTERM", low=0)
     stream_interval: int = flag(
         1, "a streamed completion's tokens per SSE chunk after its first token (which is sent "
@@ -301,6 +312,11 @@ class Settings:
             raise SettingsError("API keys must be non-empty")
         if any(not root for root in self.lora_roots):
             raise SettingsError("--lora-root must name a directory")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+            raise SettingsError(
+                f"--otlp-traces-endpoint must be an http:// or https:// URL, not {endpoint!r}"
+            )
         return self
 
     @property

@@ -17,6 +17,8 @@ from gptserve.engine.sampler import SamplingParams
 from gptserve.engine.sequence import TokenEvent, TokenLogprob
 from gptserve.model.tokenizers import Tokenizer
 from gptserve.server.metrics import Metrics
+from gptserve.server.request_ids import bind_engine_request, unbind_engine_request
+from gptserve.server.request_log import RequestLog
 
 
 class RequestTimeout(Exception):
@@ -38,6 +40,11 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def engine_id(request_id: str, prompt: int) -> str:
+    """The engine's id of an API request's prompt `prompt` (its n completions)."""
+    return f"{request_id}-{prompt}"
+
+
 async def merged_events(
     async_engine: AsyncEngine,
     request_id: str,
@@ -56,7 +63,7 @@ async def merged_events(
     async def pump(p: int, ids: list[int]) -> None:
         try:
             # admitted by server.validation: the engine takes it unchecked
-            async for event in async_engine.generate(f"{request_id}-{p}", ids, params, True):
+            async for event in async_engine.generate(engine_id(request_id, p), ids, params, True):
                 queue.put_nowait((p * params.n + event.index, event))
         except Exception as exc:  # EngineDeadError, or a check that failed late
             queue.put_nowait((p, exc))
@@ -71,6 +78,7 @@ async def merged_events(
     if watch is not None:
         tasks.append(asyncio.create_task(on_disconnect()))
     timer = asyncio.get_running_loop().call_later(timeout, queue.put_nowait, (-1, _TIMEOUT))
+    bind_engine_request(request_id)  # the engine thread's lines about it carry its request id
     try:
         remaining = len(prompts)
         while remaining:
@@ -86,6 +94,7 @@ async def merged_events(
             else:
                 yield index, item
     finally:
+        unbind_engine_request(request_id)
         timer.cancel()
         for task in tasks:
             task.cancel()
@@ -120,6 +129,7 @@ class Choice:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # character offset of each token
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop")
     error: str | None = None
     error_code: str | None = None  # engine.sequence: whose failure the error is
     num_generated: int = 0
@@ -139,6 +149,8 @@ class ChoiceTracker:
         self.metrics = metrics
         self.started = started
         self.first_token_at: float | None = None
+        self.scheduled_at: float | None = None  # the engine's first step on it (its queue wait)
+        self.log: RequestLog | None = None  # its finished line and span (server.request_log)
 
     def add_prompt(
         self, choice: Choice, ids: list[int], text: str, lps: list[TokenLogprob | None] | None
@@ -158,6 +170,10 @@ class ChoiceTracker:
             elif choice.last_token_at is not None:
                 self.metrics.itl.observe(now - choice.last_token_at)
             choice.last_token_at = now
+        if event.scheduled_at is not None and (
+            self.scheduled_at is None or event.scheduled_at < self.scheduled_at
+        ):
+            self.scheduled_at = event.scheduled_at
         if event.logprobs:
             offsets = [choice.text_base + offset for offset in event.text_offsets]
             self._add_logprobs(choice, event.token_ids, event.logprobs, offsets)
@@ -166,6 +182,7 @@ class ChoiceTracker:
         choice.num_cached_tokens = event.num_cached_tokens
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
+            choice.stop_reason = event.stop_reason
         if event.error is not None:
             choice.error, choice.error_code = event.error, event.error_code
 
@@ -189,6 +206,12 @@ class ChoiceTracker:
         if status == 200:
             self.metrics.e2e.observe(time.perf_counter() - self.started)
         self.metrics.count_request(endpoint, status, reason)
+        if self.log is not None:
+            each = [c.finish_reason or ("error" if c.error else "none") for c in self.choices]
+            self.log.finish(
+                status, reason, each, self.completion_tokens, self.first_token_at,
+                self.scheduled_at,
+            )  # fmt: skip
 
     # ---- OpenAI shapes -------------------------------------------------------------------
 

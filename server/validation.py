@@ -21,7 +21,7 @@ from gptserve.engine.errors import RequestError
 from gptserve.engine.grammar import AfterToken
 from gptserve.engine.limits import AdmittedRequest, EngineLimits, FieldNames, RequestLimits
 from gptserve.engine.pooling import EmbeddingSpec, PoolingParams
-from gptserve.engine.sampler import SamplingParams
+from gptserve.engine.sampler import LLAMA_CPP_SAMPLER_FIELDS, DryBreakerIndex, SamplingParams
 from gptserve.model.tokenizers import Tokenizer
 from gptserve.server.chat.reasoning import (
     FORMATS,
@@ -189,6 +189,11 @@ class Validator:
             max_prompts=settings.max_prompts, max_stop=settings.max_stop,
             max_stop_length=settings.max_stop_length, max_logit_bias=settings.max_logit_bias,
         )  # fmt: skip
+
+    @functools.cached_property
+    def dry_breaker_index(self) -> DryBreakerIndex:
+        """DRY's sequence breakers as this tokenizer's tokens (built at the first DRY request)."""
+        return DryBreakerIndex(self.tokenizer)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -457,7 +462,9 @@ class Validator:
         if top_k >= self.limits.vocab_size:
             top_k = 0  # keeping the whole vocabulary is no truncation
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return SamplingParams(
+        # llama.cpp's samplers: those given, the others at SamplingParams' defaults
+        llama_cpp = {f: v for f in LLAMA_CPP_SAMPLER_FIELDS if (v := getattr(req, f)) is not None}
+        params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=top_k,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -476,7 +483,12 @@ class Validator:
             prompt_logprobs=prompt_logprobs,
             n=1 if req.n is None else req.n,
             cache_salt=req.cache_salt,  # joined with the API key's tenant by the caller
+            **llama_cpp,
         )
+        if params.uses_dry:  # DRY's breakers as tokens (the list is checked first)
+            with limit_as_400():
+                params.dry_breakers = self.dry_breaker_index.resolve(params.dry_sequence_breakers)
+        return params
 
     # ---- structured output ----------------------------------------------------------------
 

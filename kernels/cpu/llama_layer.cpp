@@ -61,9 +61,10 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
 
 // x (N, C) float32, one new token per decoding sequence. norms: ln_1's and ln_2's weights
 // (float32). kinds, weights, tables, biases, widths (outputs) and copies: c_attn (q, k, v),
-// attn's c_proj, c_fc (gate, then up), mlp's c_proj, each as `product` takes it. cos, sin (N, D)
-// float32: each token's rotation. The pools, step tensors and `window` (0: none; else each row's
-// query sees only its last `window` keys) are paged_decode_qkv's. lora_meta and lora_weights:
+// attn's c_proj, c_fc (gate, then up), mlp's c_proj, each as `product` takes it. cos, sin (N, R)
+// float32: each token's rotation of each head's first R of D channels (R < D: a partial
+// rotation). The pools, step tensors and `window` (0: none; else each row's query sees only its
+// last `window` keys) are paged_decode_qkv's. lora_meta and lora_weights:
 // the step's adapter updates (`lora::read_updates`; empty: none), each added to its product's output
 // before anything reads it. Returns x after the layer, (N, C) float32.
 at::Tensor llama_decode_layer(const at::Tensor& x, at::TensorList norms, double eps,

@@ -475,28 +475,31 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 // one row of rotary: x * cos + rotate_half(x) * sin with sin's first half negated
 // (model/rotary.py), two products rounded and then added as PyTorch does (no fused multiply-add,
-// which moves a GGUF model at its bits off its float twin); without cos and sin (a model without
-// rotary positions) the row as it is, in float32
+// which moves a GGUF model at its bits off its float twin), over the row's first `rotary`
+// channels (all `dim` but for a partial rotation, Phi-4-mini's), the rest as they are; without
+// cos and sin (a model without rotary positions) the row as it is, in float32
 template <typename In>
 __attribute__((optimize("fp-contract=off"))) void rotate_row(const In* x, const float* cos,
                                                              const float* sin, int64_t dim,
-                                                             float* y) {
+                                                             int64_t rotary, float* y) {
   if (cos == nullptr) {
     for (int64_t i = 0; i < dim; ++i) y[i] = static_cast<float>(x[i]);
     return;
   }
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < dim; ++i) {
+  const int64_t half = rotary / 2;
+  for (int64_t i = 0; i < rotary; ++i) {
     const float turned = static_cast<float>(x[i < half ? i + half : i - half]);
     const float a = static_cast<float>(x[i]) * cos[i];
     const float b = turned * sin[i];
     y[i] = a + b;
   }
+  for (int64_t i = rotary; i < dim; ++i) y[i] = static_cast<float>(x[i]);
 }
 
 // A decode step of a layer from its fused q/k/v product: qkv (N, (H + 2 H_kv) * D) float32 or
-// bfloat16, one new token per sequence (N sequences); cos and sin (N, D) float32 of each token's
-// position (model/rotary.py), or none for a model without rotary positions. Rotates q and k in
+// bfloat16, one new token per sequence (N sequences); cos and sin (N, R) float32 of each token's
+// position (model/rotary.py; R = D, or R < D for a partial rotation, which turns each head's
+// first R channels only), or none for a model without rotary positions. Rotates q and k in
 // float32, writes k and v to the pools at (write_block, write_offset) (float32 pools as they
 // are; float16 or bfloat16 pools, the KV cache's dtype, rounded to it), attends with the query in
 // float32, and returns (N, H, D) in out_dtype (the dtype of the product that follows): what the
@@ -520,11 +523,13 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tenso
                   n_head % n_kv == 0 && dim % 2 == 0,
               "qkv must be (N, (H + 2 H_kv) * D) with contiguous rows");
   TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together or not at all");
+  const int64_t rotary = cos.has_value() && cos->dim() == 2 ? cos->size(1) : dim;
   TORCH_CHECK(!cos.has_value() ||
                   (cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat &&
-                   cos->is_contiguous() && sin->is_contiguous() && cos->numel() == n * dim &&
-                   sin->numel() == n * dim),
-              "cos and sin must be contiguous float32 (N, D)");
+                   cos->is_contiguous() && sin->is_contiguous() && cos->dim() == 2 &&
+                   cos->size(0) == n && rotary % 2 == 0 && rotary <= dim &&
+                   sin->sizes() == cos->sizes()),
+              "cos and sin must be contiguous float32 (N, R), R even and at most D");
   check_step(k_pool, v_pool, write_block, write_offset, n, block_tables, context_lens, n, window);
   const auto f32 = qkv.options().dtype(at::kFloat);
   at::Tensor q = at::empty({n, n_head, dim}, f32);
@@ -537,12 +542,12 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const std::optional<at::Tenso
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* row = qkv.data_ptr<scalar_t>() + t * qkv.stride(0);
       for (int64_t h = 0; h < n_head; ++h) {
-        rotate_row(row + h * dim, cp ? cp + t * dim : cp, sp ? sp + t * dim : sp, dim,
-                   qp + (t * n_head + h) * dim);
+        rotate_row(row + h * dim, cp ? cp + t * rotary : cp, sp ? sp + t * rotary : sp, dim,
+                   rotary, qp + (t * n_head + h) * dim);
       }
       for (int64_t h = 0; h < n_kv; ++h) {
-        rotate_row(row + (n_head + h) * dim, cp ? cp + t * dim : cp, sp ? sp + t * dim : sp, dim,
-                   kp + (t * n_kv + h) * dim);
+        rotate_row(row + (n_head + h) * dim, cp ? cp + t * rotary : cp,
+                   sp ? sp + t * rotary : sp, dim, rotary, kp + (t * n_kv + h) * dim);
         const scalar_t* value = row + (n_head + n_kv + h) * dim;
         for (int64_t d = 0; d < dim; ++d) vp[(t * n_kv + h) * dim + d] = static_cast<float>(value[d]);
       }

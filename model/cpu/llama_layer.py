@@ -105,7 +105,7 @@ class FusedLlamaBlock(OneCallBlock):
             and (updates := self.lora_updates(layer)) is not None
         ):
             step = cache.one_call_step(layer, plan)
-            cos, sin = rope[0].view(n, -1), rope[1].view(n, -1)  # (N, D) each
+            cos, sin = rope[0].view(n, -1), rope[1].view(n, -1)  # (N, R) each (R: rope_dim)
             return self.op(x, self.norms, self.eps, self.kinds, self.weights, self.tables,
                            self.biases, self.widths, self.copies, cos, sin, *step,
                            self.n_head, cache.window(layer) or 0, *updates)  # fmt: skip

@@ -105,6 +105,12 @@ def _config(meta: dict[str, Any], names: set[str], path: Path) -> ModelConfig:
             raise ConfigError(f"{path.name}: gpt2 with feed_forward_length != 4 * n_embd")
         return ModelConfig(**common, layer_norm_eps=float(field("attention.layer_norm_epsilon")))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or n_embd // n_head)
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:  # a partial rotation
+        raise ConfigError(
+            f"{path.name}: {arch}.rope.dimension_count {int(rope_dims)} rotates part of each "
+            f"{head_dim}-channel head, which is not supported in GGUF files (only the whole head)"
+        )
     if arch == "gemma3":
         return _gemma3_config(meta, common, head_dim, field)
     # a `llama` file of a Mistral with its window keeps it in attention.sliding_window: every layer

@@ -28,6 +28,7 @@ from typing import Any
 
 import ray
 from gptserve.server.cli import bind
+from gptserve.server.logging_setup import setup_logging
 from gptserve.server.ray.deployment import SCALE_FIELDS, ScaleOptions, deployment
 from gptserve.server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from gptserve.server.runtime import ModelLoadError, preflight
@@ -38,6 +39,7 @@ from gptserve.server.settings import (
     flag_name,
     settings_from_args,
 )
+from gptserve.server.tracing import TracingUnavailable, check_tracing
 from ray import serve
 from ray.serve.deployment import Application
 
@@ -163,9 +165,10 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Settings, ScaleOptions, st
 def main(argv: list[str] | None = None) -> int:
     try:
         settings, options, address = parse_cli(argv)
+        check_tracing(settings.otlp_traces_endpoint)  # the replicas import it
         if address is None:  # a local Ray: the checkpoint must be here
             preflight(settings)
-    except (SettingsError, ModelLoadError) as exc:
+    except (SettingsError, ModelLoadError, TracingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if address is None:
@@ -174,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"error: cannot bind {settings.host}:{settings.port}: {exc}", file=sys.stderr)
             return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("server")
     # the proxy started below inherits this environment: its own errors get OpenAI's shape
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)

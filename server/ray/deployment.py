@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from gptserve.server.app import create_app
+from gptserve.server.logging_setup import setup_logging
 from gptserve.server.runtime import ServerState
 from gptserve.server.settings import (
     ADMIN_API_KEYS_ENV,
@@ -185,9 +186,7 @@ def replica_id() -> str:
 def replica_app(settings: Settings) -> FastAPI:
     """The replica's app: `create_app` with the keys (and admin keys) in this process's
     environment added, and a header that names the replica on every response."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(settings.log_level, settings.log_format)
 
     def with_env(given: list[str], variable: str) -> list[str]:
         env = [k.strip() for k in os.environ.get(variable, "").split(",") if k.strip()]

@@ -165,6 +165,8 @@ class Shape:
         self.req, self.form, self.accepted = req, form, accepted
         self.id = _new_id("resp")
         self.created_at = accepted.created
+        if accepted.tracker.log is not None:  # its finished line names the response's own id
+            accepted.tracker.log.response_id = self.id
 
     def body(self, status: str, output: list[dict[str, Any]], done: bool = True) -> dict[str, Any]:
         req = self.req
@@ -347,6 +349,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         message = parser.parse_all(text)
         text, calls = message["content"] or "", message.get("tool_calls", [])
         accepted.count_tool_calls(calls)
+        # ended at a repeated call: completed, whether or not max_output_tokens came first
+        status = _status(parser.finish_reason(choice.finish_reason))
     lps = accepted.logprobs(choice)  # every generated token's (None: not asked for)
     logprobs = lps["content"] if lps else None
     if logprobs and calls:  # the message's tokens only, not the calls'

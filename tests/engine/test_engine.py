@@ -119,6 +119,29 @@ def test_abort_returns_every_block(model, tok):
     assert not engine.has_work()
 
 
+def test_finish_ends_one_completion_and_its_siblings_go_on(model, tok):
+    """`Engine.finish` (the server's end of an answer that repeated a tool call): that one
+    completion's last event, "stop" with no tokens, its blocks freed; the others run to their
+    end; nothing for one not yet started, finished already, or unknown."""
+    engine = Engine(model, tok, EngineConfig(kv_block_size=8, num_blocks=64))
+    params = SamplingParams(max_tokens=12, n=2, seed=1, ignore_eos=True)
+    engine.add_request("r", tok.encode("one two three"), params)
+    assert engine.finish("r", 1) == []  # before its first token (the fork): not ended
+    out: dict = {}
+    for _ in range(3):
+        for ev in engine.step():
+            out.setdefault(ev.index, []).append(ev)
+    (last,) = engine.finish("r", 0)
+    assert (last.index, last.finish_reason, last.token_ids, last.text) == (0, "stop", [], "")
+    assert last.num_generated == len(tokens(out[0])) == 3
+    assert engine.finish("r", 0) == engine.finish("r", 2) == engine.finish("x", 0) == []
+    rest = run(engine)
+    assert list(rest) == [("r", 1)] and len(tokens(out[1] + rest[("r", 1)])) == 12
+    assert rest[("r", 1)][-1].finish_reason == "length"
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.finish("r", 1) == []  # the request is over
+
+
 def test_n_completions_share_one_prefill(model, tok):
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 4)
     engine = Engine(model, tok, EngineConfig(kv_block_size=8, num_blocks=64))

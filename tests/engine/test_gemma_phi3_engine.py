@@ -1,7 +1,8 @@
 """Gemma 3 and Phi-3 checkpoints saved by transformers, loaded as the server loads them (the CPU
 wing included), generate transformers' greedy tokens and logprobs through the engine: a batch
 of prompts of mixed lengths over the paged KV cache, with prefix caching, past a sliding window
-of 8 tokens (Gemma 3: on every other layer; Phi-3: on every layer)."""
+of 8 tokens (Gemma 3: on every other layer; Phi-3: on every layer; Phi-4-mini rotating part of
+each head, through the one-call CPU layer as well)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:  # noq
     return ids[len(prompt) :], lps
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize(
+    "kind", ["gemma3", "phi3", "phi3-longrope", "phi4-mini", "phi4-mini-longrope"]
+)
 def test_batched_greedy_tokens_and_logprobs_match_transformers(kind: str, tmp_path: Path) -> None:
     ref = make(kind, tmp_path, sliding_window=WINDOW)
     save_word_tokenizer(tmp_path)

@@ -35,6 +35,18 @@ def test_a_stop_string_ends_the_completion_and_is_not_released() -> None:
     assert "".join(released) == "Hello" == seq.text
 
 
+def test_the_stop_string_that_ended_it_is_its_stop_reason() -> None:
+    # the one that begins first, whichever is listed first; the first listed at a tie
+    seq, _ = run(["Hello", " world", "."], stop=["d.", " wor", "Hello wo"], max_tokens=10)
+    assert seq.finish_reason == "stop" and seq.stop_reason == "Hello wo" and seq.text == ""
+    seq, _ = run(["a", "b", "c"], stop=["bc", "b"], max_tokens=10)
+    assert seq.stop_reason == "b" and seq.text == "a"
+    seq, _ = run(["a", "b", "c"], stop_token_ids=[one_token("b")], max_tokens=10)
+    assert seq.finish_reason == "stop" and seq.stop_reason is None  # no string: no reason
+    seq, _ = run(["a", "b", "c"], stop=["z"], max_tokens=2)
+    assert seq.finish_reason == "length" and seq.stop_reason is None
+
+
 def test_text_that_may_begin_a_stop_string_is_held_back_then_released() -> None:
     seq, released = run(["Hello", " wor", "m", "!"], stop=[" world"], max_tokens=4)
     assert released == ["Hello", "", " worm", "!"]

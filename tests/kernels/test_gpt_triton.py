@@ -45,9 +45,15 @@ def kernel_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
-def _model(device: torch.device) -> GPT:
+# a Llama-shaped model that rotates the first 10 of each head's 16 channels (Phi-4-mini's
+# partial rotation): the model rotates, the Triton kernels attend over what it stored
+PARTIAL_ROTARY = dict(pos_encoding="rotary", rotary_dim=10, n_kv_head=2, norm="rmsnorm",
+                      activation="swiglu", bias=False)  # fmt: skip
+
+
+def _model(device: torch.device, **fields) -> GPT:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    cfg = ModelConfig(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_embd=64, **fields)
     return GPT(cfg).to(device)
 
 
@@ -138,8 +144,9 @@ def _cached_logits(
     return out
 
 
-def test_forward_cached_matches_reference_path(kernel_calls, device):
-    model = _model(device).eval()
+@pytest.mark.parametrize("fields", [{}, PARTIAL_ROTARY], ids=["gpt2", "partial-rotary"])
+def test_forward_cached_matches_reference_path(kernel_calls, device, fields):
+    model = _model(device, **fields).eval()
     prompt_lens = [1, 9, 23]  # below, across and well past the 8-token cache block
     steps = 4
     gen = torch.Generator().manual_seed(3)

@@ -162,7 +162,8 @@ def test_off_by_environment_and_a_failed_build_falls_back_with_one_line(
 
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out_dtype):
+@pytest.mark.parametrize("rotary", [32, 24], ids=["whole", "partial"])  # of each head's 32
+def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out_dtype, rotary):
     n_head, n_kv, dim, bs = 6, 2, 32, 8
     ctx = [5, 19, 8]
     _, k, v, meta = paged_batch(ctx, [1, 1, 1], bs, n_head=n_head, head_dim=dim,
@@ -170,8 +171,8 @@ def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out
                                 n_kv_head=n_kv)  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(3, (n_head + 2 * n_kv) * dim, generator=gen).to(qkv_dtype)
-    inv_freq = rotary_inv_freq(dim, 10000.0)
-    cos, sin = rotary_cos_sin(meta.positions, inv_freq, torch.float32)  # (N, 1, D) each
+    inv_freq = rotary_inv_freq(rotary, 10000.0)
+    cos, sin = rotary_cos_sin(meta.positions, inv_freq, torch.float32)  # (N, 1, R) each
     # what the model computes without the kernel: split, rotate, write, attend
     heads = qkv.float().view(3, n_head + 2 * n_kv, dim)
     qk = apply_rotary(heads[:, : n_head + n_kv], cos, sin)
@@ -181,10 +182,11 @@ def test_the_step_from_the_qkv_product_rotates_writes_and_attends(qkv_dtype, out
     want_k[at.block, at.offset], want_v[at.block, at.offset] = k_new, v_new
     ref = paged_attention_reference(q, want_k, want_v, meta)
     out = native.native_ops().paged_decode_qkv(
-        qkv, cos.view(3, dim), sin.view(3, dim), k, v, at.block, at.offset, meta.block_tables,
-        meta.context_lens, n_head, dim**-0.5, out_dtype,
+        qkv, cos.view(3, rotary), sin.view(3, rotary), k, v, at.block, at.offset,
+        meta.block_tables, meta.context_lens, n_head, dim**-0.5, out_dtype,
     )  # fmt: skip
-    # the rotated keys are PyTorch's to the bit (two products rounded, then added)
+    # the rotated keys are PyTorch's to the bit (two products rounded, then added; a partial
+    # rotation's last channels as they were)
     assert torch.equal(k.nan_to_num(7), want_k.nan_to_num(7))
     assert torch.equal(v.nan_to_num(7), want_v.nan_to_num(7))
     assert out.shape == (3, n_head, dim) and out.dtype == out_dtype
@@ -285,6 +287,12 @@ def test_the_step_without_rotary_positions_takes_q_and_k_as_they_are():
             qkv, None, torch.zeros(2, dim), k, v, at.block, at.offset, meta.block_tables,
             meta.context_lens, n_head, dim**-0.5, torch.float32,
         )  # fmt: skip
+    for width in (dim + 2, 5):  # wider than a head, or odd: refused
+        with pytest.raises(RuntimeError, match="R even and at most D"):
+            native.native_ops().paged_decode_qkv(
+                qkv, torch.ones(2, width), torch.zeros(2, width), k, v, at.block, at.offset,
+                meta.block_tables, meta.context_lens, n_head, dim**-0.5, torch.float32,
+            )  # fmt: skip
 
 
 def test_metadata_pointing_outside_the_pool_is_refused_not_read():

@@ -1,5 +1,6 @@
-"""Gemma 3 and Phi-3 checkpoints saved by transformers load with load_checkpoint and give its
-logits; our own checkpoints of them round-trip; what we do not run is refused in one line.
+"""Gemma 3 and Phi-3 (Phi-4-mini's partial rotation too) checkpoints saved by transformers load
+with load_checkpoint and give its logits; our own checkpoints of them round-trip; what we do not
+run is refused in one line.
 
 The oracle is transformers: tiny random models (norms and all weights random), compared position
 by position and over 24 greedy tokens. The Gemma 3 model alternates sliding and global layers
@@ -48,6 +49,14 @@ CASES = {
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.3, 1.9, 2.4, 3.1, 3.3, 3.8, 4.0],
             "long_factor": [4.0, 5.5, 7.0, 8.0, 9.5, 10.0, 11.0, 12.0]}}),
+    # Phi-4-mini's partial rotation: the first 12 of each head's 16 channels rotate
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", {**PHI3, "partial_rotary_factor": 0.75}),
+    # ... with longrope (as Phi-4-mini ships): short factors for the 12 rotated channels
+    "phi4-mini-longrope": ("Phi3Config", "Phi3ForCausalLM", {
+        **PHI3, "original_max_position_embeddings": 64, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.4, 2.1, 2.9, 3.5, 4.0],
+            "long_factor": [4.0, 6.0, 8.0, 9.5, 11.0, 12.0]}}),
 }  # fmt: skip
 
 
@@ -194,7 +203,8 @@ def test_new_config_fields_are_validated(change: dict, message: str, tmp_path: P
         ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("gemma3", {"hidden_activation": "relu"}, "hidden_activation 'relu'"),
-        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ("phi3", {"partial_rotary_factor": 0.1}, "partial_rotary_factor 0.1 of head_dim 16"),
+        ("phi3", {"partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number"),
         ("phi3", {"rope_scaling": {"rope_type": "longrope", "long_factor": [2.0] * 8}},
          "longrope rope_scaling needs short_factor"),
         ("phi3", {"architectures": ["Phi4MMForCausalLM"]},
@@ -230,6 +240,35 @@ def test_sequences_past_a_small_window_match_transformers(kind: str, tmp_path: P
         assert (ours(idx) - expected).abs().max().item() < 1e-4
         prompt = idx[0, :5].tolist()
         assert greedy(ours, prompt, 24) == greedy(lambda t: ref(t).logits, prompt, 24)
+
+
+@pytest.mark.parametrize("kind", ["phi4-mini", "phi4-mini-longrope"])
+def test_phi4_mini_rotates_part_of_each_head_as_transformers(kind: str, tmp_path: Path) -> None:
+    """partial_rotary_factor 0.75 of 16 channels: 12 rotate (their frequencies over 12), 4 pass
+    through; transformers must really rotate part only: the same weights rotated whole differ."""
+    ref = make(kind, tmp_path / "part")
+    whole = make("phi3", tmp_path / "whole")  # the same weights (same seed and shapes)
+    ours = load_checkpoint(tmp_path / "part")
+    assert (ours.config.rotary_dim, ours.config.rope_dim, ours.config.head_dim) == (12, 12, 16)
+    assert ours.rope_inv_freq.shape == (6,)
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = ref(idx).logits
+        assert (expected[:, 1:] - whole(idx).logits[:, 1:]).abs().max() > 0.1
+        assert (ours(idx) - expected).abs().max().item() < 1e-4
+    save_checkpoint(ours, tmp_path / "ours")  # our own checkpoint keeps the rotary dim
+    assert load_checkpoint(tmp_path / "ours").config == ours.config
+
+
+def test_a_rotary_dim_is_validated() -> None:
+    base = dict(n_embd=64, n_head=4, pos_encoding="rotary")
+    assert ModelConfig(**base, rotary_dim=12).rope_dim == 12
+    assert ModelConfig(**base).rope_dim == 16
+    for bad in (11, 18, 0):
+        with pytest.raises(ConfigError, match="rotary_dim must be"):
+            ModelConfig(**base, rotary_dim=bad)
+    with pytest.raises(ConfigError, match="rotary_dim must be"):
+        ModelConfig(n_embd=64, n_head=4, rotary_dim=12)  # learned positions: nothing rotates
 
 
 def test_phi3_longrope_serves_its_original_context_as_transformers(tmp_path: Path) -> None:

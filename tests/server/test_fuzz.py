@@ -3,7 +3,8 @@
 Every operation gets a bounded, derandomized number of generated requests, both ones that fit
 the schema and ones that do not, sent to a real server. Each answer must not be a 5xx, must have a
 status, content type and body that the schema declares, and every error body must be OpenAI's
-`{"error": {"message", "type", "param", "code"}}`. The server's limits are set low so that the
+`{"error": {"message", "type", "param", "code"}}` (Anthropic's `{"type": "error", "error":
+{"type", "message"}}` under /v1/messages). The server's limits are set low so that the
 requests the fuzzer gets accepted stay cheap on a CPU.
 """
 
@@ -41,6 +42,8 @@ OPERATIONS = [
     "GET /v1/responses/{response_id}/input_items",
     "POST /v1/load_lora_adapter",
     "POST /v1/unload_lora_adapter",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
@@ -92,11 +95,15 @@ def content_type(response: Response) -> str:
     return values[0]
 
 
-def check_error_shape(response: Response) -> None:
+def check_error_shape(response: Response, anthropic: bool = False) -> None:
     if response.status_code < 400:
         return
     assert content_type(response).startswith("application/json"), response.headers
     body = json.loads(response.content)
+    if anthropic:  # the Messages API's paths
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        return
     assert set(body) == {"error"}, body
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
@@ -108,11 +115,18 @@ def check_error_shape(response: Response) -> None:
 
 def check_stream(response: Response) -> None:
     """An SSE answer: `data:` events of JSON objects, the last one `[DONE]`; or the Responses
-    API's typed events (`event:` and `data:`), the last one its end or an error."""
+    API's typed events (`event:` and `data:`), the last one its end or an error; or the Messages
+    API's named events, each `type` its event's name, the last message_stop or an error."""
     if not content_type(response).startswith("text/event-stream"):
         return
     text = response.content.decode()
     blocks = [block for block in text.split("\n\n") if block]
+    if blocks and blocks[0].startswith("event: message_start"):  # Anthropic's named events
+        named = [block.split("\n", 1) for block in blocks]
+        for head, data in named:
+            assert json.loads(data.removeprefix("data: "))["type"] == head.removeprefix("event: ")
+        assert named[-1][0] in ("event: message_stop", "event: error"), text[-200:]
+        return
     if blocks and blocks[0].startswith("event: "):
         typed = [json.loads(block.split("\ndata: ", 1)[1]) for block in blocks]
         assert [e["sequence_number"] for e in typed] == list(range(len(typed)))
@@ -159,7 +173,7 @@ def test_operation_fuzz(
         response = case.call(base_url=fuzz_server.url, session=session, headers=headers, timeout=60)
         statuses.append(response.status_code)
         case.validate_response(response, checks=checks, headers=headers)
-        check_error_shape(response)
+        check_error_shape(response, anthropic=label.startswith("POST /v1/messages"))
         check_stream(response)
 
     fuzz()

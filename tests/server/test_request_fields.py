@@ -125,6 +125,37 @@ def test_true_is_not_one_and_ignore_eos_writes_special_tokens(
     assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens"
 
 
+LLAMA_CPP_SAMPLERS = {
+    "typical_p": 0.9, "xtc_probability": 0.5, "xtc_threshold": 0.05, "dry_multiplier": 0.8,
+    "dry_base": 1.75, "dry_allowed_length": 1, "dry_penalty_last_n": 64,
+    "dry_sequence_breakers": ["\n", ":", "### Response"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", BOTH, ids=["completions", "chat"])
+def test_llama_cpps_samplers_are_honoured_and_a_bad_value_is_a_400_naming_it(
+    server: LiveServer, headers: dict, endpoint: tuple, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="gptserve.server.request_fields"):
+        for extra in (LLAMA_CPP_SAMPLERS, {**LLAMA_CPP_SAMPLERS, "temperature": 0, "seed": 3}):
+            r = send(server, headers, endpoint, **extra, max_tokens=4)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1
+    assert ignored_lines(caplog) == []  # read, not ignored
+    for field, bad in (("typical_p", 1.5), ("xtc_threshold", 2), ("dry_base", 0.5),
+                       ("dry_sequence_breakers", ["ok", ""])):  # fmt: skip
+        r = send(server, headers, endpoint, **{**LLAMA_CPP_SAMPLERS, field: bad})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"]
+
+
+def test_the_llama_cpp_samplers_are_in_the_openapi_schema(server: LiveServer) -> None:
+    schemas = httpx.get(server.url + "/openapi.json", timeout=10).json()["components"]["schemas"]
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        assert set(LLAMA_CPP_SAMPLERS) <= set(schemas[request]["properties"]), request
+
+
 @pytest.mark.parametrize("endpoint", BOTH, ids=["completions", "chat"])
 def test_unknown_fields_are_ignored_with_one_warning_line_naming_them(
     server: LiveServer, headers: dict, endpoint: tuple, caplog: pytest.LogCaptureFixture

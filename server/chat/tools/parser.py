@@ -11,6 +11,13 @@ no calls is returned exactly as written. A call cut short (by `max_tokens` or a 
 what was written of its arguments, and the choice keeps its own finish reason (`length`); a call
 cut short before its name was complete is left out, and so is the start of one after whole calls
 (only calls may follow calls).
+
+A call that repeats an earlier call of the same answer (the same name, arguments equal as parsed
+JSON) ends the answer: it is left out, nothing after it is read, and the finish reason is
+`tool_calls` (`repeated`; the server then stops the sequence, `server.openai_api`). A small model
+under `tool_choice: "required"` with parallel calls otherwise writes its one call again and
+again until `max_tokens`. So that a stream never hands out a call it must take back, a call
+named like an earlier one is held back until its arguments are whole; any other streams at once.
 """
 
 from __future__ import annotations
@@ -41,6 +48,15 @@ class ParsedCall:
         arguments = "".join(self.arguments)
         return {"id": self.id, "type": "function", "function": {"name": self.name,
                                                                "arguments": arguments}}  # fmt: skip
+
+    def key(self) -> tuple[str, Any]:
+        """What makes two calls the same: the name, and the arguments as parsed JSON (as
+        written, less surrounding whitespace, where they do not parse)."""
+        text = "".join(self.arguments).strip()
+        try:
+            return self.name, ("json", json.loads(text))
+        except ValueError:
+            return self.name, ("text", text)
 
 
 @dataclass
@@ -75,7 +91,8 @@ class ToolCallParser:
         self._after_call = False  # whitespace here only separates text from the call before
         # "text": free text that a trigger may end (hermes); "start": before the first character
         # (llama3_json: "{" begins a call); "plain": text to the end; "head", "args", "tail": a
-        # call's parts; "between": after a call (llama3_json: a separator or the end)
+        # call's parts; "between": after a call (llama3_json: a separator or the end); "done":
+        # after a repeated call, the end
         self._state = "text" if fmt.opening else "start"
         self._trigger = fmt.opening.rstrip()
         self._tail = fmt.closing.strip() or "}"
@@ -84,6 +101,9 @@ class ToolCallParser:
         self._depth = 0
         self._in_string = self._escaped = self._args_started = False
         self._scalar = ""  # "string" or "bare" while the arguments are not an object or array
+        # the deltas of a call named like an earlier one, held until its arguments are whole
+        self._held: MessageDelta | None = None
+        self.repeated = False  # a call repeated an earlier one: the answer ended before it
 
     # ---- results -------------------------------------------------------------------------
 
@@ -94,7 +114,10 @@ class ToolCallParser:
         return None if self.calls and not text else text
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """The choice ended after whole calls: "tool_calls"; else the engine's reason."""
+        """The choice ended after whole calls, or at a repeated call (whatever the engine says,
+        even before it says it): "tool_calls"; else the engine's reason."""
+        if self.repeated:
+            return "tool_calls"
         whole = self.calls and all(call.complete for call in self.calls)
         return "tool_calls" if engine_reason == "stop" and whole else engine_reason
 
@@ -132,6 +155,9 @@ class ToolCallParser:
 
     def _finish(self, delta: MessageDelta) -> None:
         rest, self._buffer = self._buffer, ""
+        if self._held is not None:  # a call cut short before it was known to repeat: as it is
+            delta.tool_calls.extend(self._held.tool_calls)
+            self._held = None
         if self._state in ("start", "plain") or (self._state == "text" and not self.calls):
             self._emit(delta, rest)  # text held back in case a call began: there was none
 
@@ -148,6 +174,9 @@ class ToolCallParser:
     def _step(self, delta: MessageDelta) -> bool:
         """Advance through the buffer once; False when it needs more text."""
         state = self._state
+        if state == "done":  # after a repeated call: nothing more is read
+            self._buffer = ""
+            return False
         if state == "text":
             return self._text(delta)
         if state == "start":
@@ -207,6 +236,8 @@ class ToolCallParser:
         if match is None:
             return False
         name = json.loads(f'"{match.group(1)}"')
+        if any(call.name == name for call in self.calls):  # it may repeat one: held back
+            delta = self._held = MessageDelta()
         self.calls.append(ParsedCall(new_call_id(), name))
         index = len(self.calls) - 1
         delta.tool_calls.append({
@@ -262,9 +293,17 @@ class ToolCallParser:
         text = piece.lstrip(_WHITESPACE) if not call.arguments else piece
         if text:
             call.arguments.append(text)
-            delta.add_arguments(len(self.calls) - 1, text)
+            held = self._held if self._held is not None else delta
+            held.add_arguments(len(self.calls) - 1, text)
         if end is None:
             self._buffer = ""
             return False
         self._buffer, self._state = buffer[end:], "tail"
+        if self._held is not None:  # the arguments are whole: a repeat, or a call to hand out
+            held, self._held = self._held, None
+            if any(call.key() == earlier.key() for earlier in self.calls[:-1]):
+                self.calls.pop()
+                self.repeated, self._state, self._buffer = True, "done", ""
+                return False
+            delta.tool_calls.extend(held.tool_calls)
         return True

@@ -57,12 +57,15 @@ def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarr
 
 
 def write_gguf(
-    path: Path, arch: str, kind: str, tied: bool = False, window: int | None = None
-) -> None:
+    path: Path, arch: str, kind: str, tied: bool = False, window: int | None = None,
+    rope_dims: int | None = None,
+) -> None:  # fmt: skip
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), arch)
     if window is not None:
         writer.add_sliding_window(window)
+    if rope_dims is not None:
+        writer.add_rope_dimension_count(rope_dims)
     head_dim = 128 if arch == "qwen3" else 64  # Qwen3's heads are wider than n_embd / n_head
     context = 1024 if arch == "gpt2" else 128  # transformers reads gpt2's as 1024 always
     writer.add_context_length(context)
@@ -190,6 +193,19 @@ def test_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(CheckpointError, match="architecture 'mamba' is not supported") as info:
         load_checkpoint(path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_partial_rotation_is_refused_in_one_line(tmp_path: Path, arch: str) -> None:
+    """rope.dimension_count below the head's width (a partial rotation) is refused, not served
+    as a whole-head rotation; equal to it, the file loads as before."""
+    head_dim = 128 if arch == "qwen3" else 64
+    write_gguf(tmp_path / "whole.gguf", arch, "F32", rope_dims=head_dim)
+    assert load_checkpoint(tmp_path / "whole.gguf").config.rotary_dim is None
+    write_gguf(tmp_path / "part.gguf", arch, "F32", rope_dims=head_dim // 2)
+    with pytest.raises(CheckpointError, match=f"rope.dimension_count {head_dim // 2}") as info:
+        load_checkpoint(tmp_path / "part.gguf")
     assert "\n" not in str(info.value)
 
 

@@ -95,3 +95,94 @@ def test_whitespace_between_calls_is_not_content_but_text_after_them_is() -> Non
     message = ToolCallParser(HERMES).parse_all(text)
     assert message["content"] == "then more"
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ["{}"]
+
+
+PARIS = '{"city":"Paris","unit":"celsius"}'
+
+
+def hermes_call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name":"{name}","arguments":{arguments}}}\n</tool_call>'
+
+
+def llama3_call(name: str, arguments: str) -> str:
+    return f'{{"name":"{name}","parameters":{arguments}}}'
+
+
+def until_finished(fmt: ToolCallFormat, pieces: list[str]) -> tuple[list[dict], str | None, int]:
+    """Feed pieces as a stream does, the engine never ending it, until the parser ends the
+    answer; every delta item, the finish reason, and how many pieces were read."""
+    parser, items = ToolCallParser(fmt), []
+    for read, piece in enumerate(pieces, 1):
+        delta, reason = parser.stream_delta(piece, None)
+        items += delta.get("tool_calls", [])
+        if reason is not None:
+            return items, reason, read
+    return items, None, len(pieces)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+def test_a_repeated_call_ends_the_answer_without_it(fmt: ToolCallFormat) -> None:
+    """The same call three times (the third with its keys in another order and spaced out: the
+    same JSON): one call, "tool_calls", whatever the engine says; streamed, the repeat is never
+    handed out and the answer ends where the second call's arguments end."""
+    call, sep = (hermes_call, "\n") if fmt is HERMES else (llama3_call, "; ")
+    again = '{ "unit": "celsius", "city": "Paris" }'
+    text = sep.join([call("get_weather", PARIS), call("get_weather", PARIS),
+                     call("get_weather", again)])  # fmt: skip
+    for engine_reason in ("stop", "length", None):
+        parser = ToolCallParser(fmt)
+        message = parser.parse_all(text)
+        assert parser.repeated and parser.finish_reason(engine_reason) == "tool_calls"
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in message["tool_calls"]] == [("get_weather", PARIS)]  # fmt: skip
+        assert message["content"] is None
+    second_args_end = text.index(PARIS, len(call("get_weather", PARIS))) + len(PARIS)
+    rng = random.Random(1)
+    for pieces in [list(text), [text]] + [random_pieces(text, rng) for _ in range(30)]:
+        items, reason, read = until_finished(fmt, pieces)
+        assert reason == "tool_calls"
+        assert {item["index"] for item in items} == {0}
+        assert "".join(item["function"]["arguments"] for item in items) == PARIS
+        assert len("".join(pieces[:read])) >= second_args_end  # not before it was whole
+        assert len("".join(pieces[: read - 1])) < second_args_end  # nor later
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+def test_other_calls_are_handed_out_and_a_repeat_of_any_earlier_one_ends(
+    fmt: ToolCallFormat,
+) -> None:
+    """Another function streams at once; the same function with other arguments is held until
+    its arguments are whole, then handed out; repeating the first call (not the last) ends."""
+    call, sep = (hermes_call, "\n") if fmt is HERMES else (llama3_call, "; ")
+    oslo = '{"city":"Oslo","unit":"celsius"}'
+    calls = [("get_weather", PARIS), ("get_time", "{}"), ("get_weather", oslo)]
+    text = sep.join(call(*c) for c in [*calls, calls[0], ("get_time", '{"zone":"UTC"}')])
+    parser = ToolCallParser(fmt)
+    message = parser.parse_all(text)
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message["tool_calls"]] == calls  # fmt: skip
+    assert parser.finish_reason(None) == "tool_calls"
+    parser = ToolCallParser(fmt)
+    streamed_items = [parser.stream_delta(char, None)[0].get("tool_calls", []) for char in text]
+    oslo_head = text.index('"get_weather"', text.index("get_time"))
+    oslo_end = text.index(oslo) + len(oslo)
+    firsts: dict[int, int] = {}  # each call's first delta: at which character
+    for at, items in enumerate(streamed_items):
+        for item in items:
+            firsts.setdefault(item["index"], at)
+    assert firsts[1] < text.index("{}")  # get_time named before its arguments
+    assert oslo_head < firsts[2] == oslo_end - 1  # the Oslo call once its arguments were whole
+    assert 3 not in firsts
+
+
+def test_a_call_cut_short_while_held_back_is_handed_out_as_written() -> None:
+    text = (
+        hermes_call("get_weather", PARIS) + '\n<tool_call>\n{"name":"get_weather","arguments":{"ci'
+    )
+    parser = ToolCallParser(HERMES)
+    delta, reason = parser.stream_delta(text, None)
+    assert [item["index"] for item in delta["tool_calls"]] == [0] and reason is None
+    delta, reason = parser.stream_delta("", "length")  # max_tokens cut it
+    assert delta["tool_calls"][0]["index"] == 1 and reason == "length"
+    assert delta["tool_calls"][0]["function"]["arguments"] == '{"ci'
+    assert not parser.repeated
