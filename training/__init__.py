@@ -8,7 +8,9 @@
     metrics      metrics.jsonl and loss.png
     args         the flags, parsed into a TrainConfig (with --resume, merged with the saved run)
     data         tokenized data, the split, the batch sampler
+    chat_data    chat examples (OpenAI's fine-tuning JSONL): checked, rendered, masked
     setup        device, precision, the starting model, the --out check
+    chat_batches chat examples in a run: rows, padded batches, the validation loss
     step         the optimizer, the LR schedule, one update, evaluation, a text sample
     loop         the run, top to bottom
 

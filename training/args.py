@@ -8,6 +8,7 @@
     gptserve train --arch llama --data ... --out ...          # a Llama-shaped model
     gptserve train --init-from DIR --data ... --out ...       # fine-tune DIR (ours or HF)
     gptserve train --init-from DIR --lora-rank 8 --data ... --out ...  # a LoRA adapter on DIR
+    gptserve train --init-from DIR --data chats.jsonl --out ...  # chat fine-tuning (also LoRA)
 
 Writes into DIR: config.json + model.safetensors (last), best/ (lowest validation loss),
 train_state.pt (everything --resume needs, full fp32 weights included), metrics.jsonl, loss.png
@@ -67,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     a = p.add_argument
-    a("--data", help="UTF-8 text file or folder of .txt files")
+    a(
+        "--data",
+        help="UTF-8 text file or folder of .txt files, or a .jsonl file of chat examples "
+        "(OpenAI's fine-tuning format; see docs/TRAINING.md)",
+    )
+    a("--chat-data", action="store_true", help="--data is chat examples whatever its name")
+    a("--val-data", help="chat: a .jsonl file of validation examples (else --val-fraction)")
     a("--out", help="output directory (checkpoints, metrics)")
     a("--cache-dir", help="where tokenized data is cached (default: OUT/cache)")
     a("--max-steps", type=int, help="total optimizer steps (default 5000)")

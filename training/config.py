@@ -35,7 +35,7 @@ DEFAULT_BLOCK_SIZE = 256
 LORA_TARGETS = (*TARGETS, "all")
 # what --resume cannot change of a LoRA run: the adapter's shape, its scaling and its base
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets", "init_from")
-PATH_KEYS = ("data", "out", "cache_dir", "init_from")
+PATH_KEYS = ("data", "out", "cache_dir", "init_from", "val_data")
 POSITIVE_KEYS = (
     "max_steps",
     "batch_size",
@@ -59,6 +59,9 @@ NON_NEGATIVE_KEYS = ("warmup_steps", "sample_tokens", "weight_decay", "grad_clip
 class TrainConfig:
     out: Path
     data: Path
+    # chat data (training/chat_data.py): --data FILE.jsonl, or any --data with chat_data set
+    chat_data: bool = False
+    val_data: Path | None = None  # chat: the validation examples (else the last val_fraction)
     cache_dir: Path | None = None  # None: OUT/cache
     max_steps: int = 5000
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -129,6 +132,11 @@ class TrainConfig:
         if self.threads is not None and self.threads <= 0:
             raise TrainError(f"--threads must be positive, got {self.threads}")
         self._check_lora()
+        if self.val_data is not None and not self.chat:
+            raise TrainError(
+                "--val-data needs chat data (--data FILE.jsonl, or --chat-data); text data "
+                "holds out its last --val-fraction"
+            )
         if not self.init_from:
             try:
                 self.model_config()
@@ -167,6 +175,11 @@ class TrainConfig:
                 "adapter on the GGUF file instead (gptserve serve --model FILE.gguf --lora "
                 "NAME=OUT)"
             )
+
+    @property
+    def chat(self) -> bool:
+        """Whether --data is chat examples (a .jsonl file, or --chat-data) rather than text."""
+        return self.chat_data or Path(self.data).suffix == ".jsonl"
 
     @property
     def alpha(self) -> float:

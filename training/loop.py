@@ -12,6 +12,13 @@ import torch.nn as nn
 from gptserve.model import get_tokenizer
 from gptserve.model.cpu.malloc_tuning import retain_freed_memory
 from gptserve.model.dtypes import DTYPES
+from gptserve.training.chat_batches import (
+    ChatBatchSampler,
+    ChatData,
+    chat_template_source,
+    chat_val_loss,
+    load_chat_data,
+)
 from gptserve.training.checkpointing import (
     BEST_DIR,
     STATE_FILE,
@@ -89,17 +96,31 @@ def train(cfg: TrainConfig, info: Dist) -> None:
     tok = on_every_rank(lambda: load_run_tokenizer(model.config, tok_dir))
     tokenizer_files = on_every_rank(lambda: read_tokenizer_files(tok_dir) if info.master else {})
     block_size = on_every_rank(lambda: train_window(cfg, model.config))
-    tokens = prepare_data(cfg.data, cfg.token_cache, info, model.config.tokenizer, tok_dir)
-    fingerprint = data_fingerprint(tokens)
+    chat: ChatData | None = None
+    if cfg.chat:  # every rank reads and renders the examples itself (no cache)
+        source = chat_template_source(cfg, model.config)
+        vocab = model.config.vocab_size
+        chat = on_every_rank(lambda: load_chat_data(cfg, source, tok, vocab, block_size))
+        fingerprint = chat.fingerprint
+    else:
+        tokens = prepare_data(cfg.data, cfg.token_cache, info, model.config.tokenizer, tok_dir)
+        fingerprint = data_fingerprint(tokens)
     if state is not None and state.get("data_fingerprint", fingerprint) != fingerprint:
         raise TrainError(
             f"--resume: --data {cfg.data} is not the data the run in {out} was trained on; "
             f"resume with that data, or train on this data with --init-from {out} --out NEW_DIR"
         )
-    train_tokens, val_tokens = split_tokens(tokens, block_size, cfg.val_fraction)
+    if chat is None:
+        train_tokens, val_tokens = split_tokens(tokens, block_size, cfg.val_fraction)
+
+    def make_sampler(seed: list[int]) -> BatchSampler | ChatBatchSampler:
+        if chat is not None:
+            return ChatBatchSampler(chat.train, cfg.batch_size, seed, tok.eot_token)
+        return BatchSampler(train_tokens, block_size, cfg.batch_size, seed)
+
     model.to(device)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-    sampler = BatchSampler(train_tokens, block_size, cfg.batch_size, [cfg.seed, info.rank])
+    sampler = make_sampler([cfg.seed, info.rank])
     torch.manual_seed(cfg.seed + info.rank)  # dropout masks differ across ranks
     step, best_val = 0, math.inf
 
@@ -117,8 +138,7 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             sampler.load_state_dict(state["ranks"][info.rank]["sampler"])
             set_rng_state(state["ranks"][info.rank]["rng"])
         else:  # another world size: fresh per-rank streams, derived from the step
-            seed = [cfg.seed, info.rank, step]
-            sampler = BatchSampler(train_tokens, block_size, cfg.batch_size, seed)
+            sampler = make_sampler([cfg.seed, info.rank, step])
             torch.manual_seed(cfg.seed + info.rank + step)
         del state
     metrics = out / METRICS_FILE
@@ -144,11 +164,18 @@ def train(cfg: TrainConfig, info: Dist) -> None:
         heads = f"{mc.n_head} heads" + (
             f" ({mc.kv_heads} key/value)" if mc.kv_heads != mc.n_head else ""
         )
+        if chat is not None:
+            data = f"{chat.summary()}; {cfg.batch_size * cfg.grad_accum * info.world} examples/step"
+        else:
+            n_val = 0 if val_tokens is None else len(val_tokens)
+            data = (
+                f"data: {len(train_tokens):,} train / {n_val:,} val tokens; "
+                f"{tokens_per_step:,} tokens/step"
+            )
         print(
             f"model: {model_flags(mc)['arch']}, {model.num_params() / 1e6:.2f}M parameters, "
             f"{mc.n_layer} layers, {heads}, width {mc.n_embd}, block {block_size}; "
-            f"data: {len(train_tokens):,} train / {0 if val_tokens is None else len(val_tokens):,} "
-            f"val tokens; {tokens_per_step:,} tokens/step on {info.world} x {device.type}",
+            f"{data} on {info.world} x {device.type}",
             flush=True,
         )
         if cfg.lora_rank is not None:
@@ -193,7 +220,11 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             )
         if not applied:
             bar.write(f"step {step}: non-finite loss/gradient ({loss}, {norm}); step skipped")
-        tok_s = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+        if chat is not None:  # rows are padded to each batch's longest
+            step_tokens = sum(x.numel() for x, _ in batches) * info.world
+        else:
+            step_tokens = tokens_per_step
+        tok_s = step_tokens / max(time.perf_counter() - t0, 1e-9)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
         bar.update(1)
 
@@ -208,7 +239,13 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             row["skipped"] = True
         is_eval = step % cfg.eval_interval == 0 or step == cfg.max_steps
         val_loss = None
-        if is_eval and val_tokens is not None:
+        if is_eval and chat is not None and chat.val:
+            val_loss = chat_val_loss(
+                model, chat.val, cfg.batch_size, cfg.eval_iters, tok.eot_token, device,
+                autocast, info,
+            )  # fmt: skip
+            row["val_loss"] = val_loss
+        elif is_eval and chat is None and val_tokens is not None:
             # a fresh sampler each time: the same batches at every eval
             val_sampler = BatchSampler(
                 val_tokens, block_size, cfg.batch_size, [cfg.seed, info.rank, 1]
@@ -243,7 +280,8 @@ def train(cfg: TrainConfig, info: Dist) -> None:
             }
             atomic_torch_save(train_state, out / STATE_FILE)
             plot_losses(metrics, out / LOSS_PLOT)
-            text = sample_text(model, tok, cfg.sample_tokens, device, cfg.seed)
+            prompt = chat.sample_prompt if chat is not None else None
+            text = sample_text(model, tok, cfg.sample_tokens, device, cfg.seed, prompt)
             msg = f"step {step}: train {loss:.4f}"
             msg += f", val {val_loss:.4f}" if val_loss is not None else ""
             bar.write(msg + (f" | sample: {text!r}" if text else ""))

@@ -120,12 +120,17 @@ def evaluate(
 
 
 @torch.no_grad()
-def sample_text(model: GPT, tok: Tokenizer, n_tokens: int, device: torch.device, seed: int) -> str:
+def sample_text(
+    model: GPT, tok: Tokenizer, n_tokens: int, device: torch.device, seed: int,
+    prompt: list[int] | None = None,
+) -> str:  # fmt: skip
     """A short top-k sample from the token a document starts with (BOS where the tokenizer adds
-    one, else end-of-text), from a private generator (no global RNG use)."""
+    one, else end-of-text), or after `prompt` (a chat run's: the answer to one of its prompts),
+    from a private generator (no global RNG use)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     start = tok.bos_token_id if tok.add_bos and tok.bos_token_id is not None else tok.eot_token
-    idx = torch.tensor([[start]], device=device)
+    idx = torch.tensor([prompt or [start]], device=device)
+    given = idx.size(1)
     model.eval()
     for _ in range(n_tokens):
         logits = model(idx[:, -model.config.block_size :])[:, -1, :].float() / 0.8  # (1, V)
@@ -133,4 +138,4 @@ def sample_text(model: GPT, tok: Tokenizer, n_tokens: int, device: torch.device,
         choice = torch.multinomial(torch.softmax(top, dim=-1), 1, generator=gen)
         idx = torch.cat([idx, where.gather(-1, choice)], dim=1)
     model.train()
-    return tok.decode(idx[0, 1:].tolist())
+    return tok.decode(idx[0, given:].tolist())
