@@ -47,6 +47,9 @@ def test_ordinary_and_recursive_grammars_pass() -> None:
         (bounds.check_gbnf, gbnf_chain(bounds.MAX_RULE_DEPTH), "nest more than"),
         (bounds.check_gbnf, gbnf_chain(5_000), "rules"),
         (bounds.check_schema, ref_chain(bounds.MAX_REF_DEPTH), "$ref chains"),
+        (bounds.check_gbnf, 'root ::= ab{600}\nab ::= "a"{600}\n', "repetitions multiply"),
+        (bounds.check_lark, 'start: ab{2,400}\nab: c{300}\nc: "x"\n', "repetitions multiply"),
+        (bounds.check_lark, 'start: ab{300} | c{300}\nab: "a"{300}\nc: start\n', None),
         (bounds.check_schema, {"items": [[[[[[[[{"a": [1]}]]]]]]]] * 1}, None),
     ],
 )
