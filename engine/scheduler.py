@@ -16,7 +16,11 @@ cannot hold another's first token:
 - a sequence that does not fit the cache yet lets those behind it that fit go ahead, at most
   MAX_PASSED_OVER times: then nothing goes ahead of it until it fits;
 - running prompts are prefilled shortest first, and while a tenant with nothing running waits,
-  they leave it at least NEWCOMER_SHARE of the step's token budget.
+  they leave it at least NEWCOMER_SHARE of the step's token budget;
+- while another tenant's sequences decode, the other tenants' prompts take at most
+  SHARED_STEP_PREFILL tokens a step between them, so their chunks do not stretch the decodes'
+  time per token. One tenant alone (or no API keys)
+  keeps the whole budget.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ from gptserve.engine.step_plan import StepPlan
 _Work = list[tuple[Sequence, int, list[int]]]
 MAX_PASSED_OVER = 64  # admissions that may go ahead of a waiting sequence that does not fit
 NEWCOMER_SHARE = 0.5  # of a step's token budget, kept for a waiting tenant with nothing running
+# prompt tokens a step gives other tenants while a tenant's sequences decode: on a CPU a few
+# rows cost about what one does, so the decodes keep their pace (bench/fairness.py) and the
+# prompt, computed at about the rate of a large chunk, still moves
+SHARED_STEP_PREFILL = 8
 
 
 class Scheduler:
@@ -46,6 +54,8 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._decoding: set[str | None] = set()  # tenants with a sequence decoding this step
+        self._shared_left = SHARED_STEP_PREFILL  # prompt tokens left beside their decodes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -113,12 +123,36 @@ class Scheduler:
         # prompts being prefilled, shortest first, leaving a share to tenants that wait with
         # nothing running (they are admitted after this plan, from what budget is left)
         prefill = budget - self._newcomers_share()
+        # running prompts give way to the tenants whose next tokens wait on this step: those
+        # decoding, and those waiting with nothing running (their first token); admissions, to
+        # the decoding ones
+        running = {s.params.tenant for s in self.running}
+        self._decoding = {s.params.tenant for s in self.running if s.pending == 1}
+        newcomers = {s.params.tenant for s in self.waiting if s.params.tenant not in running}
+        decoding, self._decoding = self._decoding, self._decoding | newcomers
+        self._shared_left = SHARED_STEP_PREFILL
         for seq in sorted((s for s in self.running if s.pending > 1), key=_pending):
-            if prefill > 0:
-                n = min(seq.pending, prefill)
+            n = min(seq.pending, prefill, self._chunk_cap(seq))
+            if n > 0:
                 work.append((seq, n, []))
                 budget, prefill = budget - n, prefill - n
+                self._take_shared(seq, n)
+        self._decoding = decoding
         return work
+
+    def _capped(self, seq: Sequence) -> bool:
+        """Whether another tenant's sequences decode this step beside `seq`'s prompt."""
+        return bool(self._decoding - {seq.params.tenant})
+
+    def _chunk_cap(self, seq: Sequence) -> int:
+        """The most prompt tokens `seq` may take this step: while another tenant's sequences
+        decode, what is left of the step's SHARED_STEP_PREFILL (big chunks would stretch every
+        one of their tokens to the chunk's time), else the budget."""
+        return self._shared_left if self._capped(seq) else self.max_batch_tokens
+
+    def _take_shared(self, seq: Sequence, n: int) -> None:
+        if self._capped(seq):
+            self._shared_left -= n
 
     def _newcomers_share(self) -> int:
         """Tokens of the step kept for the first chunks of tenants that wait with nothing running."""
@@ -158,7 +192,9 @@ class Scheduler:
             if not self.blocks.holds(seq.seq_id) and reuses:
                 salt = seq.prefix_salt
                 seq.num_cached = self.blocks.reuse_prefix(seq.seq_id, seq.token_ids, salt)
-            n = min(seq.pending, budget)
+            n = min(seq.pending, budget, self._chunk_cap(seq))
+            if n <= 0:  # this step's tokens beside another tenant's decodes are taken
+                continue
             need = self.blocks.blocks_needed(seq.seq_id, n)
             free = self.blocks.num_free_blocks - reserved  # reused blocks are no longer free
             # a block of headroom per running sequence, so an admission does not force preemption
@@ -180,6 +216,7 @@ class Scheduler:
             work.append((seq, n, []))
             budget -= n
             reserved += need
+            self._take_shared(seq, n)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)

@@ -21,11 +21,16 @@ from fastapi.staticfiles import StaticFiles
 from gptserve.server.admin import ADMIN_SCOPE_KEY, is_admin, warn_about_admin_scope
 from gptserve.server.embeddings_api import router as embeddings_router
 from gptserve.server.errors import APIError, bad_request, install_error_handlers
+from gptserve.server.fine_tuning.files_api import router as files_router
+from gptserve.server.fine_tuning.jobs_api import router as fine_tuning_router
+from gptserve.server.fine_tuning.manager import FineTuning
 from gptserve.server.hosts import host_allowed
 from gptserve.server.lora_api import router as lora_router
 from gptserve.server.messages.api import router as messages_router
 from gptserve.server.messages.errors import AnthropicErrorShape
 from gptserve.server.metrics import Metrics
+from gptserve.server.ollama.api import router as ollama_router
+from gptserve.server.ollama.errors import OllamaErrorShape
 from gptserve.server.openai_api import router as openai_router
 from gptserve.server.protocol import (
     ERROR_RESPONSES,
@@ -47,8 +52,10 @@ from gptserve.server.tracing import start_tracing
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-_AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/api/")
+_OPEN_PATHS = ("/api/version",)  # open as /health is (Ollama's clients probe it)
 _UNCOUNTED_PATHS = ("/health", "/metrics")
+_MULTIPART_OVERHEAD = 1 << 16  # an upload's form fields and boundaries besides the file
 
 
 class AdmissionControl:
@@ -113,7 +120,7 @@ class AdmissionControl:
             return
         if not self.keys:
             scope[ADMIN_SCOPE_KEY] = True  # an open server: everyone may act as an admin
-        elif path.startswith(_AUTH_PREFIXES):
+        elif path.startswith(_AUTH_PREFIXES) and path not in _OPEN_PATHS:
             tenant, admin = self._tenant(scope)
             if tenant is None:
                 err = APIError(
@@ -130,6 +137,8 @@ class AdmissionControl:
             await self.app(scope, receive, send)
             return
         limit = self.settings.max_body_bytes
+        if path == "/v1/files" and settings.enable_fine_tuning:  # an upload: --max-file-bytes
+            limit = max(limit, settings.max_file_bytes + _MULTIPART_OVERHEAD)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -214,14 +223,19 @@ def create_app(
     warn_about_admin_scope(settings)
     metrics = Metrics()
     state = ServerState(settings, metrics, loader)
+    fine_tuning = FineTuning(settings, state) if settings.enable_fine_tuning else None
     tracer = start_tracing(settings.otlp_traces_endpoint)  # None: OpenTelemetry never imported
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start_loading()
+        worker = asyncio.create_task(fine_tuning.run()) if fine_tuning is not None else None
         try:
             yield
         finally:
+            if worker is not None:  # a running job's process is stopped (failed at restart)
+                worker.cancel()
+                await asyncio.gather(worker, return_exceptions=True)
             await asyncio.to_thread(state.stop)
             if tracer is not None:  # the last spans go out
                 await asyncio.to_thread(tracer.shutdown)
@@ -233,6 +247,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.server = state
+    app.state.fine_tuning = fine_tuning  # None: /v1/files and /v1/fine_tuning answer 404
     app.state.tracer = tracer  # server.request_log records each request's span with it
     app.state.responses = ResponseStore(settings.responses_store_size)  # server.responses
     install_error_handlers(app)
@@ -246,12 +261,16 @@ def create_app(
     app.include_router(responses_router)
     app.include_router(messages_router)
     app.include_router(lora_router)
+    app.include_router(files_router)
+    app.include_router(fine_tuning_router)
+    app.include_router(ollama_router)  # Ollama's /api/* (server.ollama)
     _add_routes(app, state)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(AdmissionControl, settings=settings, metrics=metrics)
     install_request_ids(app)  # X-Request-Id around everything, Starlette's 500s included
     app.add_middleware(AnthropicErrorShape)  # outside the gate: its 401/413/429 are reshaped too
+    app.add_middleware(OllamaErrorShape)  # the same for /api/*: {"error": "..."}
     return app
 
 
@@ -295,6 +314,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         adapters = [  # each LoRA adapter is a model of its own, its parent the base (as vLLM)
             {**card, "id": name, "root": source if paths else name, "parent": base}
             for name, source in list(state.lora_names.items())
+            if state.may_use(name, request.scope.get(TENANT_SCOPE_KEY))  # own fine-tuned models
         ]
         return {"object": "list", "data": [card, *adapters]}
 

@@ -37,6 +37,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     async_engine = state.require_ready()
     inputs = await run_in_threadpool(state.validator.embedding, body)  # tokenizing: off the loop
     tenant = request.scope.get(TENANT_SCOPE_KEY)
+    state.check_owner(inputs.params.lora, tenant)  # another key's fine-tuned model: 404
     check_queue(state, async_engine, tenant)
     inputs.params.tenant = tenant  # admitted in turn with other keys' (engine.scheduler)
     prompts = inputs.prompts

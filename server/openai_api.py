@@ -247,6 +247,7 @@ async def accept(
     async_engine = state.require_ready()
     inputs = await run_in_threadpool(validate, state.validator)
     tenant = request.scope.get(TENANT_SCOPE_KEY)
+    state.check_owner(inputs.params.lora, tenant)  # another key's fine-tuned model: 404
     check_queue(state, async_engine, tenant)
     loaded, prompts, params = state.loaded, inputs.prompts, inputs.params
     # the request's own cache_salt (validated) joins its API key's tenant (server.tenancy)

@@ -154,6 +154,8 @@ class ServerState:
         self.validator: Validator | None = None
         # the LoRA adapters requests may name, as the engine has them loaded (server.lora_api)
         self.lora_names: dict[str, str] = {}  # name -> where it was read from
+        # the fine-tuned models (server.fine_tuning): name -> the tenant that may use it
+        self.model_owners: dict[str, str | None] = {}
         self.load_error: str | None = None
         self.loader_thread: threading.Thread | None = None
         self.load_seconds: float | None = None  # the model's load (fetch included)
@@ -286,6 +288,17 @@ class ServerState:
         if self.async_engine.unhealthy:
             raise _unhealthy(self.async_engine.unhealthy)
         return self.async_engine
+
+    def may_use(self, model: str | None, tenant: str | None) -> bool:
+        """Whether `tenant` may see and use `model` (only a fine-tuned model has an owner)."""
+        return model not in self.model_owners or self.model_owners[model] == tenant
+
+    def check_owner(self, model: str | None, tenant: str | None) -> None:
+        """A 404, as for an unknown model, for another tenant's fine-tuned model."""
+        if not self.may_use(model, tenant):
+            raise APIError(
+                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+            )
 
     def health(self) -> tuple[int, dict]:
         async_engine = self.async_engine

@@ -16,7 +16,7 @@ from typing import Any
 
 from gptserve.engine.pooling import POOLING_MODES
 from gptserve.model import SHAKESPEARE_DIR
-from gptserve.model.known_models import cached_path, known_name
+from gptserve.model.known_models import cache_dir, cached_path, known_name
 from gptserve.server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
 from gptserve.server.chat.tools.formats import PARSER_NAMES
 
@@ -26,6 +26,7 @@ GROUPS = {
     "server": "server",
     "engine": "engine",
     "limits": "request limits (each enforced with an OpenAI-shaped error)",
+    "fine-tuning": "fine-tuning (OpenAI's files and fine-tuning jobs)",
 }
 LIMITS_GROUP = GROUPS["limits"]
 # without --kv-cache-gb the KV pool holds this many full contexts, or this many tokens for each
@@ -230,6 +231,27 @@ class Settings:
         "must resolve, symlinks followed, inside one; none: every lora_path is refused (400). "
         "--lora's adapters are not restricted", group="engine", name="lora-root",
     )  # fmt: skip
+    enable_fine_tuning: bool = flag(
+        False, "answer OpenAI's /v1/files and /v1/fine_tuning/jobs: upload chat JSONL, train "
+        "LoRA adapters on the served model in a subprocess, serve each result as ft:BASE:... "
+        "(see docs/API.md); off: 404", group="fine-tuning",
+    )  # fmt: skip
+    state_dir: str | None = flag(
+        None, "where uploaded files, fine-tuning jobs and their adapters are kept across "
+        "restarts (default: the cache directory's state/, e.g. ~/.cache/gptserve/state)",
+        group="fine-tuning",
+    )  # fmt: skip
+    max_file_bytes: int = flag(
+        50_000_000, "bytes of an uploaded file (413 above)", group="fine-tuning", low=1
+    )
+    fine_tune_threads: int = flag(
+        1, "CPU threads of a fine-tuning job's process (OMP_NUM_THREADS and torch's); it also "
+        "runs at a lower priority (nice 10)", group="fine-tuning", low=1,
+    )  # fmt: skip
+    fine_tune_max_steps: int | None = flag(
+        None, "an upper bound on a job's optimizer steps (default: none, the epochs decide); "
+        "a job cut short by it says so in its events", group="fine-tuning", low=1,
+    )  # fmt: skip
     # per-request limits (None: the model's context length)
     max_queue: int = flag(256, "waiting sequences; at or above it 429", group="limits", low=1)
     max_logprobs: int = flag(
@@ -330,9 +352,14 @@ class Settings:
         return {n: Path(d) for n, _, d in (spec.partition("=") for spec in self.lora)}
 
     @property
+    def fine_tuning_dir(self) -> Path:
+        """--state-dir, else the cache directory's state/."""
+        return Path(self.state_dir) if self.state_dir else cache_dir() / "state"
+
+    @property
     def serves_lora(self) -> bool:
         """Whether the model gets LoRA slots: adapters at start or loaded later."""
-        return bool(self.lora) or self.enable_lora_loading
+        return bool(self.lora) or self.enable_lora_loading or self.enable_fine_tuning
 
     def _validate_lora(self) -> None:
         names = []

@@ -88,7 +88,9 @@ def check_model(
         return None
     if adapters and requested in adapters:
         return requested
-    names = ", ".join(repr(n) for n in [served, *(adapters or {})])
+    # fine-tuned models (ft:...) belong to API keys: no other key learns their names here
+    listed = [n for n in (adapters or {}) if not n.startswith("ft:")]
+    names = ", ".join(repr(n) for n in [served, *listed])
     raise APIError(
         404,
         f"the model {requested!r} does not exist; this server serves {names}",

@@ -212,19 +212,43 @@ def test_what_fits_goes_ahead_of_what_does_not_but_not_forever():
     MAX_PASSED_OVER times; after that nothing passes it until it fits."""
     from gptserve.engine import scheduler as module
 
-    cache = BlockManager(12, BLOCK)  # 48 tokens
+    cache = BlockManager(13, BLOCK)  # 52 tokens
     scheduler = Scheduler(cache, max_num_seqs=64, max_batch_tokens=64)
-    hog = make_seq(0, list(range(1, 33)), tenant="a")  # 8 blocks, decoding
+    hog = make_seq(0, list(range(1, 33)))  # 8 blocks, decoding
     decoding(scheduler, hog)
-    big = make_seq(1, list(range(1, 25)), tenant="b")  # 6 blocks: does not fit beside the hog
+    big = make_seq(1, list(range(1, 25)))  # 6 blocks: does not fit beside the hog
     scheduler.add(big)
-    small = make_seq(2, [1, 2, 3], tenant="c")
+    small = make_seq(2, [1, 2, 3])
     scheduler.add(small)
     plan = scheduler.schedule()
     assert small in [p.seq for p in plan.scheduled] and big in scheduler.waiting
     assert big.passed_over == 1
     big.passed_over = module.MAX_PASSED_OVER
-    later = make_seq(3, [1, 2, 3], tenant="c")
+    later = make_seq(3, [1, 2, 3])  # would fit: 1 block, 3 free
     scheduler.add(later)
     plan = scheduler.schedule()
     assert later in scheduler.waiting and later not in [p.seq for p in plan.scheduled]
+    big.passed_over = 0
+    plan = scheduler.schedule()
+    assert later in [p.seq for p in plan.scheduled]  # the same step, once big may be passed
+
+
+def test_a_prompt_beside_another_tenants_decodes_takes_small_chunks():
+    """While tenant b decodes, tenant a's long prompt takes SHARED_STEP_PREFILL tokens a step
+    (b's tokens keep their pace); alone, it takes the whole budget."""
+    from gptserve.engine import scheduler as module
+
+    cache = BlockManager(1024, BLOCK)
+    scheduler = Scheduler(cache, max_num_seqs=8, max_batch_tokens=64)
+    chat = make_seq(0, [5, 6, 7], tenant="b")
+    decoding(scheduler, chat)
+    bulk = make_seq(1, list(range(1, 201)), tenant="a")
+    scheduler.add(bulk)
+    plan = scheduler.schedule()
+    chunks = {p.seq.seq_id: p.num_tokens for p in plan.scheduled}
+    assert chunks == {0: 1, 1: module.SHARED_STEP_PREFILL}
+    own = make_seq(2, list(range(1, 201)), tenant="b")  # the decoding tenant's own prompt
+    scheduler.add(own)
+    play(cache, plan)
+    plan = scheduler.schedule()
+    assert {p.seq.seq_id: p.num_tokens for p in plan.scheduled}[2] > module.SHARED_STEP_PREFILL

@@ -4,8 +4,8 @@ Every operation gets a bounded, derandomized number of generated requests, both 
 the schema and ones that do not, sent to a real server. Each answer must not be a 5xx, must have a
 status, content type and body that the schema declares, and every error body must be OpenAI's
 `{"error": {"message", "type", "param", "code"}}` (Anthropic's `{"type": "error", "error":
-{"type", "message"}}` under /v1/messages). The server's limits are set low so that the
-requests the fuzzer gets accepted stay cheap on a CPU.
+{"type", "message"}}` under /v1/messages, Ollama's `{"error": "..."}` under /api/). The server's
+limits are set low so that the requests the fuzzer gets accepted stay cheap on a CPU.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ OPERATIONS = [
     "GET /v1/models",
     "GET /health",
     "GET /metrics",
+    "POST /api/chat",
+    "POST /api/generate",
+    "POST /api/embed",
+    "POST /api/embeddings",
+    "POST /api/show",
+    "GET /api/tags",
+    "GET /api/ps",
+    "GET /api/version",
 ]
 # operations no generated request can succeed on: an id or an adapter the fuzzer cannot know
 NO_SUCCESS = {
@@ -95,11 +103,14 @@ def content_type(response: Response) -> str:
     return values[0]
 
 
-def check_error_shape(response: Response, anthropic: bool = False) -> None:
+def check_error_shape(response: Response, anthropic: bool = False, ollama: bool = False) -> None:
     if response.status_code < 400:
         return
     assert content_type(response).startswith("application/json"), response.headers
     body = json.loads(response.content)
+    if ollama:  # Ollama's paths (/api/*)
+        assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
+        return
     if anthropic:  # the Messages API's paths
         assert set(body) == {"type", "error"} and body["type"] == "error", body
         assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
@@ -173,7 +184,11 @@ def test_operation_fuzz(
         response = case.call(base_url=fuzz_server.url, session=session, headers=headers, timeout=60)
         statuses.append(response.status_code)
         case.validate_response(response, checks=checks, headers=headers)
-        check_error_shape(response, anthropic=label.startswith("POST /v1/messages"))
+        check_error_shape(
+            response,
+            anthropic=label.startswith("POST /v1/messages"),
+            ollama=label.split(" ")[1].startswith("/api/"),
+        )
         check_stream(response)
 
     fuzz()
