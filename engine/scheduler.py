@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._decoding: set[str | None] = set()  # tenants with a sequence decoding this step
+        self._newcomers: set[str | None] = set()  # tenants waiting with nothing running
         self._shared_left = SHARED_STEP_PREFILL  # prompt tokens left beside their decodes
 
     def add(self, seq: Sequence) -> None:
@@ -123,13 +124,11 @@ class Scheduler:
         # prompts being prefilled, shortest first, leaving a share to tenants that wait with
         # nothing running (they are admitted after this plan, from what budget is left)
         prefill = budget - self._newcomers_share()
-        # running prompts give way to the tenants whose next tokens wait on this step: those
-        # decoding, and those waiting with nothing running (their first token); admissions, to
-        # the decoding ones
+        # prompts give way to the tenants whose next tokens wait on this step: those decoding,
+        # and those waiting with nothing running (their first token; they give way to decodes)
         running = {s.params.tenant for s in self.running}
+        self._newcomers = {s.params.tenant for s in self.waiting if s.params.tenant not in running}
         self._decoding = {s.params.tenant for s in self.running if s.pending == 1}
-        newcomers = {s.params.tenant for s in self.waiting if s.params.tenant not in running}
-        decoding, self._decoding = self._decoding, self._decoding | newcomers
         self._shared_left = SHARED_STEP_PREFILL
         for seq in sorted((s for s in self.running if s.pending > 1), key=_pending):
             n = min(seq.pending, prefill, self._chunk_cap(seq))
@@ -137,12 +136,14 @@ class Scheduler:
                 work.append((seq, n, []))
                 budget, prefill = budget - n, prefill - n
                 self._take_shared(seq, n)
-        self._decoding = decoding
         return work
 
     def _capped(self, seq: Sequence) -> bool:
-        """Whether another tenant's sequences decode this step beside `seq`'s prompt."""
-        return bool(self._decoding - {seq.params.tenant})
+        """Whether another tenant's next tokens wait on this step beside `seq`'s prompt."""
+        tenant = seq.params.tenant
+        if self._decoding - {tenant}:
+            return True
+        return tenant not in self._newcomers and bool(self._newcomers - {tenant})
 
     def _chunk_cap(self, seq: Sequence) -> int:
         """The most prompt tokens `seq` may take this step: while another tenant's sequences
