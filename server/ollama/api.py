@@ -27,8 +27,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gptserve.server.chat.reasoning import split as split_reasoning
 from gptserve.server.embeddings_api import create_embeddings
+from gptserve.server.error_shapes import with_param
 from gptserve.server.errors import APIError
-from gptserve.server.ollama.errors import error_message, ollama_error
+from gptserve.server.ollama.errors import ollama_error
 from gptserve.server.ollama.request import (
     ChatRequest,
     EmbeddingsRequest,
@@ -496,7 +497,7 @@ async def _stream(answer: _Answer) -> AsyncIterator[bytes]:
         yield _line(answer.final(finish_reason))
     except APIError as exc:
         status = exc.status
-        yield _line(ollama_error(error_message(exc.message, exc.param)))
+        yield _line(ollama_error(with_param(exc.message, exc.param)))
     except BaseException:  # cancelled: the client went away (the engine request is aborted)
         accepted.tracker.finish(accepted.endpoint, "disconnected")
         raise
