@@ -26,6 +26,7 @@ from gptserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from gptserve.server.request_ids import current_request_id
 from gptserve.server.request_log import RequestLog
 from gptserve.server.runtime import ServerState
 from gptserve.server.streams import (
@@ -261,8 +262,13 @@ async def accept(
     )
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     model = params.lora or loaded.name  # the name the request asked for
+    # the body's id carries the request's X-Request-Id, and a part of its own: a client may send
+    # one id twice at once, and the engine's ids must stay apart
+    request_id = current_request_id.get()
+    body_id = f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}" if request_id else None
     accepted = AcceptedRequest(
-        kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, async_engine, inputs,
+        kind, body_id or f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, async_engine,
+        inputs,
         tracker, state.settings.request_timeout, state.settings.stream_interval,
         endpoint=endpoint or kind,
     )  # fmt: skip

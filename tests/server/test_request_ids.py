@@ -82,9 +82,14 @@ def test_the_header_is_echoed_when_sent_and_made_when_not(
     assert all(MADE.fullmatch(i) for i in ids) and ids[0] != ids[1]
 
 
-def test_openai_ids_stay_as_they_are(server: LiveServer, headers: dict) -> None:
-    r = call(server, "200", {**headers, "X-Request-Id": "mine"})
-    assert r.json()["id"].startswith("cmpl-") and r.headers["x-request-id"] == "mine"
+def test_the_body_id_carries_the_request_id(server: LiveServer, headers: dict) -> None:
+    """OpenAI's prefix, the request's id, and a part of its own (one id sent twice at once still
+    makes two engine requests)."""
+    first = call(server, "200", {**headers, "X-Request-Id": "mine"})
+    again = call(server, "200", {**headers, "X-Request-Id": "mine"})
+    assert first.headers["x-request-id"] == "mine"
+    assert re.fullmatch(r"cmpl-mine-[0-9a-f]{8}", first.json()["id"]), first.json()["id"]
+    assert first.json()["id"] != again.json()["id"]
 
 
 @pytest.mark.parametrize(
