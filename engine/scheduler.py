@@ -17,9 +17,9 @@ cannot hold another's first token:
   MAX_PASSED_OVER times: then nothing goes ahead of it until it fits;
 - running prompts are prefilled shortest first, and while a tenant with nothing running waits,
   they leave it at least NEWCOMER_SHARE of the step's token budget;
-- while another tenant's sequences decode, the other tenants' prompts take at most
-  SHARED_STEP_PREFILL tokens a step between them, so their chunks do not stretch the decodes'
-  time per token. One tenant alone (or no API keys)
+- while another tenant's sequences decode (or wait for their first token), the other tenants'
+  prompts take at most SHARED_STEP_PREFILL tokens between them, one step in PROMPT_TURN_EVERY,
+  so their chunks do not stretch the decodes' time per token. One tenant alone (or no API keys)
   keeps the whole budget.
 """
 
@@ -41,6 +41,7 @@ NEWCOMER_SHARE = 0.5  # of a step's token budget, kept for a waiting tenant with
 # rows cost about what one does, so the decodes keep their pace (bench/fairness.py) and the
 # prompt, computed at about the rate of a large chunk, still moves
 SHARED_STEP_PREFILL = 8
+PROMPT_TURN_EVERY = 3  # ... and only one step in this many
 
 
 class Scheduler:
@@ -57,6 +58,7 @@ class Scheduler:
         self._decoding: set[str | None] = set()  # tenants with a sequence decoding this step
         self._newcomers: set[str | None] = set()  # tenants waiting with nothing running
         self._shared_left = SHARED_STEP_PREFILL  # prompt tokens left beside their decodes
+        self._steps = 0  # steps planned: other tenants' prompts take their turn every few
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -84,6 +86,7 @@ class Scheduler:
         """
         guesses = guesses or {}
         preempted: list[Sequence] = []
+        self._steps += 1
         for seq in self.running:  # blocks out of every layer's window go back first
             self.blocks.release_out_of_window(seq.seq_id)
         while True:
@@ -149,7 +152,11 @@ class Scheduler:
         """The most prompt tokens `seq` may take this step: while another tenant's sequences
         decode, what is left of the step's SHARED_STEP_PREFILL (big chunks would stretch every
         one of their tokens to the chunk's time), else the budget."""
-        return self._shared_left if self._capped(seq) else self.max_batch_tokens
+        if not self._capped(seq):
+            return self.max_batch_tokens
+        # their turn comes one step in PROMPT_TURN_EVERY: the steps between decode alone, on the
+        # one-call decode layers (a step with a prompt chunk in it is several times one without)
+        return self._shared_left if self._steps % PROMPT_TURN_EVERY == 0 else 0
 
     def _take_shared(self, seq: Sequence, n: int) -> None:
         if self._capped(seq):

@@ -233,9 +233,9 @@ def test_what_fits_goes_ahead_of_what_does_not_but_not_forever():
     assert later in [p.seq for p in plan.scheduled]  # the same step, once big may be passed
 
 
-def test_a_prompt_beside_another_tenants_decodes_takes_small_chunks():
-    """While tenant b decodes, tenant a's long prompt takes SHARED_STEP_PREFILL tokens a step
-    (b's tokens keep their pace); alone, it takes the whole budget."""
+def test_a_prompt_beside_another_tenants_decodes_takes_small_chunks_in_turn():
+    """While tenant b decodes, tenant a's long prompt takes SHARED_STEP_PREFILL tokens one step
+    in PROMPT_TURN_EVERY, the steps between b's decodes alone; b's own prompt is not held."""
     from gptserve.engine import scheduler as module
 
     cache = BlockManager(1024, BLOCK)
@@ -244,11 +244,18 @@ def test_a_prompt_beside_another_tenants_decodes_takes_small_chunks():
     decoding(scheduler, chat)
     bulk = make_seq(1, list(range(1, 201)), tenant="a")
     scheduler.add(bulk)
-    plan = scheduler.schedule()
-    chunks = {p.seq.seq_id: p.num_tokens for p in plan.scheduled}
-    assert chunks == {0: 1, 1: module.SHARED_STEP_PREFILL}
+    steps = []
+    for _ in range(2 * module.PROMPT_TURN_EVERY):
+        plan = scheduler.schedule()
+        steps.append({p.seq.seq_id: p.num_tokens for p in plan.scheduled})
+        play(cache, plan)
+    assert all(step[0] == 1 for step in steps)  # b decodes every step
+    chunks = [step.get(1, 0) for step in steps]
+    assert (
+        sorted(chunks)
+        == [0] * (2 * module.PROMPT_TURN_EVERY - 2) + [module.SHARED_STEP_PREFILL] * 2
+    )
     own = make_seq(2, list(range(1, 201)), tenant="b")  # the decoding tenant's own prompt
     scheduler.add(own)
-    play(cache, plan)
     plan = scheduler.schedule()
     assert {p.seq.seq_id: p.num_tokens for p in plan.scheduled}[2] > module.SHARED_STEP_PREFILL
