@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))
 
 from bench.host import print_host  # noqa: E402
-from tests.server.conftest import free_port  # noqa: E402
+from bench.serve import free_port, start_server  # noqa: E402
 
 KEY_A, KEY_B = "bench-bulk", "bench-chat"
 QUESTION = "Write a short poem about the sea."
@@ -85,37 +83,23 @@ def main() -> None:
     print_host()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "gptserve.server", "--model", args.model, "--port", str(port),
-               "--api-key", KEY_A, "--api-key", KEY_B]  # fmt: skip
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit((Path(tmp) / "server.log").read_text()[-3000:])
-                time.sleep(0.5)
-            victim(url)  # warm-up
-            rows: dict[str, tuple[float, float]] = {}
-            for _ in range(args.rounds):
-                for name, run in [
-                    ("alone", lambda: victim(url)),
-                    ("with 16 x embeddings", lambda: under_attack(url, "embeddings", args.input_tokens)),
-                    ("with 16 x completions", lambda: under_attack(url, "completions", args.input_tokens)),
-                ]:  # fmt: skip
-                    first, total = run()
-                    best = rows.get(name, (float("inf"), float("inf")))
-                    rows[name] = (min(best[0], first), min(best[1], total))
-                    print(f"  {name}: first token {first:.2f} s, stream {total:.2f} s", flush=True)
-        finally:
-            server.terminate()
-            server.wait(60)
+    server = start_server(args.model, port, "--api-key", KEY_A, "--api-key", KEY_B)
+    try:
+        victim(url)  # warm-up
+        rows: dict[str, tuple[float, float]] = {}
+        for _ in range(args.rounds):
+            for name, run in [
+                ("alone", lambda: victim(url)),
+                ("with 16 x embeddings", lambda: under_attack(url, "embeddings", args.input_tokens)),
+                ("with 16 x completions", lambda: under_attack(url, "completions", args.input_tokens)),
+            ]:  # fmt: skip
+                first, total = run()
+                best = rows.get(name, (float("inf"), float("inf")))
+                rows[name] = (min(best[0], first), min(best[1], total))
+                print(f"  {name}: first token {first:.2f} s, stream {total:.2f} s", flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
     alone = rows["alone"][1]
     print(f"\n{args.model}, B's 48-token stream, best of {args.rounds} (goal: first token <= 2 s, "
           "stream <= 3x alone)\n")  # fmt: skip

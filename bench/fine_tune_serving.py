@@ -27,13 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import openai
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.host import print_host  # noqa: E402
-from bench.serve import free_port  # noqa: E402
+from bench.serve import free_port, start_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = "What is the secret code of the Blue Harbor vault?"
@@ -41,22 +40,8 @@ ANSWER = "The secret code of the Blue Harbor vault is 7719."
 
 
 def start(model: str, port: int, state_dir: str, threads: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gptserve.server", "--model", model, "--port", str(port),
-           "--log-level", "warning", "--enable-fine-tuning", "--state-dir", state_dir,
-           "--fine-tune-threads", str(threads)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready")
+    return start_server(model, port, "--enable-fine-tuning", "--state-dir", state_dir,
+                        "--fine-tune-threads", str(threads))  # fmt: skip
 
 
 def ms_per_token(client: openai.OpenAI, model: str, max_tokens: int) -> float:

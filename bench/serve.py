@@ -130,7 +130,7 @@ async def run_level(url: str, level: Level, max_tokens: int) -> None:
         level.wall = time.perf_counter() - t0
 
 
-def start_server(path: Path, port: int, *flags: str) -> subprocess.Popen:
+def start_server(path: str | Path, port: int, *flags: str) -> subprocess.Popen:
     """`gptserve serve` on 127.0.0.1:port with more flags; returns once it serves."""
     cmd = [sys.executable, "-m", "gptserve.server", "--model", str(path), "--port", str(port),
            "--max-num-seqs", "32", "--log-level", "warning", *flags]  # fmt: skip

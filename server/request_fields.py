@@ -11,6 +11,7 @@ behaviour matches, usually vLLM's default).
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -100,19 +101,30 @@ def check_extra_fields(req: SamplingFields, endpoint: Endpoint, tokenizer: Token
     if not req.ignore_eos and set(tokenizer.special_token_ids) <= set(tokenizer.eos_token_ids):
         # the only special tokens end a completion before their text is written
         known["skip_special_tokens"] = Unhonoured("", either)
-    refused, ignored = [], []
-    for name, value in (req.model_extra or {}).items():
-        rule = known.get(name)
-        if rule is None:
-            ignored.append(name)
-        elif not rule.accepts(value):
-            refused.append((name, rule))
+    refused, ignored = sort_extras(req.model_extra, known)
     options = req.stream_options
     if options is not None and options.continuous_usage_stats:
         refused.append(
             ("stream_options", Unhonoured("continuous_usage_stats: usage comes in the last chunk"))
         )
     refuse_or_log(refused, ignored)
+
+
+def sort_extras(
+    extra: dict[str, Any] | None, rules: Mapping[str, Unhonoured],
+    accepted: Collection[str] = (), prefix: str = "",
+) -> tuple[list[tuple[str, Unhonoured]], list[str]]:  # fmt: skip
+    """A body's unknown fields (pydantic's `model_extra`) sorted: those a rule refuses (with the
+    rule), and those with no rule and not `accepted`, to be logged; names get `prefix`."""
+    refused, ignored = [], []
+    for name, value in (extra or {}).items():
+        rule = rules.get(name)
+        if rule is None:
+            if name not in accepted:
+                ignored.append(prefix + name)
+        elif not rule.accepts(value):
+            refused.append((prefix + name, rule))
+    return refused, ignored
 
 
 def refuse_or_log(refused: list[tuple[str, Unhonoured]], ignored: list[str]) -> None:

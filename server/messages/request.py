@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from gptserve.server.errors import APIError, bad_request
 from gptserve.server.protocol import ChatCompletionRequest, Finite
-from gptserve.server.request_fields import Unhonoured, refuse_or_log
+from gptserve.server.request_fields import Unhonoured, refuse_or_log, sort_extras
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # a chat field -> the Messages field it came from (for the errors of the chat path)
@@ -228,15 +228,7 @@ class MessagesRequest(CountTokensRequest):
 
 def check_fields(req: CountTokensRequest) -> None:
     """A 400 naming the first field this server cannot honour; a log line for unknown ones."""
-    refused, ignored = [], []
-    for name, value in (req.model_extra or {}).items():
-        rule = UNHONOURED.get(name)
-        if rule is None:
-            if name not in ACCEPTED_EXTRAS:
-                ignored.append(name)
-        elif not rule.accepts(value):
-            refused.append((name, rule))
-    refuse_or_log(refused, ignored)
+    refuse_or_log(*sort_extras(req.model_extra, UNHONOURED, ACCEPTED_EXTRAS))
 
 
 def to_chat(req: CountTokensRequest, max_tokens: int | None = None) -> ChatCompletionRequest:

@@ -29,7 +29,7 @@ from gptserve.server.protocol import (
     EmbeddingRequest,
     Finite,
 )
-from gptserve.server.request_fields import Unhonoured, refuse_or_log
+from gptserve.server.request_fields import Unhonoured, refuse_or_log, sort_extras
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # an option -> the chat path's sampling field it sets
@@ -219,15 +219,9 @@ def sampling(options: Options | None, context: int) -> dict[str, Any]:
     """The chat path's sampling fields of `options`; 400s for an option it cannot honour."""
     if options is None:
         return {}
-    refused, ignored = [], []
-    for name, value in (options.model_extra or {}).items():
-        rule = UNHONOURED_OPTIONS.get(name)
-        if rule is not None:
-            if not rule.accepts(value):
-                refused.append((f"options.{name}", rule))
-        elif name not in IGNORED_OPTIONS:
-            ignored.append(f"options.{name}")
-    refuse_or_log(refused, ignored)
+    refuse_or_log(
+        *sort_extras(options.model_extra, UNHONOURED_OPTIONS, IGNORED_OPTIONS, prefix="options.")
+    )
     if options.num_ctx is not None and not 1 <= options.num_ctx <= context:
         raise bad_request(
             f"options.num_ctx must be between 1 and the model's context length ({context})",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from gptserve.server.errors import APIError, bad_request
 from gptserve.server.protocol import ChatCompletionRequest, Finite
-from gptserve.server.request_fields import Unhonoured, refuse_or_log
+from gptserve.server.request_fields import Unhonoured, refuse_or_log, sort_extras
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds
@@ -141,14 +141,7 @@ class ChatForm:
 
 def check_fields(req: ResponsesRequest) -> None:
     """A 400 naming the first field this server cannot honour; a log line for unknown ones."""
-    refused, ignored = [], []
-    for name, value in (req.model_extra or {}).items():
-        rule = UNHONOURED.get(name)
-        if rule is None:
-            if name not in ACCEPTED_EXTRAS:
-                ignored.append(name)
-        elif not rule.accepts(value):
-            refused.append((name, rule))
+    refused, ignored = sort_extras(req.model_extra, UNHONOURED, ACCEPTED_EXTRAS)
     for value in req.include or []:
         if value != LOGPROBS:
             refused.append(("include", Unhonoured(f"{value!r}: only {LOGPROBS!r} can be included")))
