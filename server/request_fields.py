@@ -138,6 +138,15 @@ def refuse_or_log(refused: list[tuple[str, Unhonoured]], ignored: list[str]) -> 
         log.warning(IGNORED_WARNING, logged_names(ignored))
 
 
+def refuse_unknown(extra: dict[str, Any] | None, what: str) -> None:
+    """A 400 naming the first unknown field, for APIs where nothing may be ignored (fine-tuning:
+    a field left out of a job would change what it trains without a word)."""
+    names = list(extra or {})
+    if names:
+        shown = logged_names(names)
+        raise bad_request(f"{what} has fields this server does not honour: {shown}", names[0])
+
+
 def logged_names(names: list[str]) -> str:
     """{'a', 'b'} with each name cut short and at most MAX_NAMES_LOGGED of them (repr escapes
     newlines, so a made-up key cannot forge log lines)."""

@@ -3,15 +3,22 @@
 `FineTuning(settings, server_state)` reloads what --state-dir holds; `run()` (an asyncio task of
 the app's lifespan) waits for the model to serve, loads the fine-tuned adapters of the jobs that
 succeeded into the LoRA slots, then runs the queued jobs one at a time, each in a subprocess
-(runner). A job that was running when the server stopped is marked failed at start; a queued one
-stays queued. Job status: validating_files -> queued -> running -> succeeded | failed |
-cancelled. A job that succeeds is served at once as `ft:<base>:<suffix>:<job id>` (without a
-suffix `ft:<base>:<job id>`), for its owner only (ServerState.model_owners).
+(runner). A job that was running when the server stopped (killed, or shut down) resumes from
+its run's last checkpoint (train_state.pt: written once an epoch, atomically) when it has one, and
+is failed (`server_restarted`, saying why) when it has none; a queued one stays queued. A state
+directory that cannot be written (a full disk, read-only) fails the job it happens to
+(`insufficient_storage` or `storage_error`) and answers an upload 507; the server goes on. Job
+status: validating_files -> queued -> running -> succeeded | failed | cancelled (a resumed job:
+running -> queued at the restart). A job that succeeds is served at once as
+`ft:<base>:<suffix>:<job id>` (without a suffix `ft:<base>:<job id>`), for its owner only
+(ServerState.model_owners).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import time
 import uuid
@@ -23,11 +30,13 @@ from gptserve.engine.adapters import AdapterError, read_adapter
 from gptserve.server.errors import APIError
 from gptserve.server.fine_tuning import recipe
 from gptserve.server.fine_tuning.runner import TrainingProcess
-from gptserve.server.fine_tuning.store import RecordStore
+from gptserve.server.fine_tuning.store import RecordStore, make_directory, write_atomic
 from gptserve.server.runtime import ServerState
 from gptserve.server.settings import Settings
 from gptserve.server.tenancy import TENANT_SCOPE_KEY
 from gptserve.training.chat_data import ChatDataError, check_chat_file
+from gptserve.training.checkpointing import STATE_FILE, read_train_state
+from gptserve.training.errors import TrainError
 
 log = logging.getLogger(__name__)
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -47,6 +56,18 @@ async def fine_tuning_on(request: Request) -> None:
         )  # fmt: skip
 
 
+def storage_code(exc: OSError) -> str:
+    """The error code of a state directory that cannot be written."""
+    return "insufficient_storage" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "storage_error"
+
+
+def storage_error(exc: OSError, what: str) -> APIError:
+    """A 507 for a write to the state directory that failed (the reason, not the path)."""
+    reason = exc.strerror or type(exc).__name__
+    message = f"cannot {what}: the server's state directory cannot be written ({reason})"
+    return APIError(507, message, code=storage_code(exc))
+
+
 def event(message: str, kind: str = "message", data: dict | None = None, level: str = "info"):  # noqa: ANN201
     return {
         "id": f"ftevent-{uuid.uuid4().hex[:24]}", "object": "fine_tuning.job.event",
@@ -62,37 +83,86 @@ class FineTuning:
         root = settings.fine_tuning_dir
         self.files = RecordStore(root / "files")
         self.contents = root / "files" / "content"
-        self.contents.mkdir(parents=True, exist_ok=True)
+        make_directory(self.contents)
         self.jobs = RecordStore(root / "jobs")
         self.runs = root / "jobs" / "runs"
         self._wake: asyncio.Event | None = None
         for job in list(self.jobs.records.values()):
             if job["status"] == "running":
-                self._finish(
-                    job, "failed", "server_restarted", "the server stopped while the job ran"
-                )
+                self._after_a_stop(job)
             elif job["status"] == "validating_files":
                 job["status"] = "queued"
-                self.jobs.save(job)
+                self._save(job)
+
+    def _after_a_stop(self, job: dict[str, Any]) -> None:
+        """A job the server stopped while it ran: queued again to resume from its checkpoint, or
+        failed when it has none (or an unreadable one)."""
+        stopped, run = "the server stopped while the job ran", self.runs / job["id"]
+        try:
+            if not (run / STATE_FILE).is_file():
+                raise FileNotFoundError
+            step = int(read_train_state(run, mmap=True)["step"])
+        except (TrainError, KeyError, TypeError, ValueError, OSError) as exc:
+            why = (
+                "before its first checkpoint"
+                if isinstance(exc, FileNotFoundError)
+                else "and its checkpoint cannot be read"
+            )
+            self._finish(job, "failed", "server_restarted", f"{stopped}, {why}; create it again")
+            return
+        job["status"] = "queued"
+        job["_events"].append(event(f"{stopped}; it resumes from its checkpoint at step {step}"))
+        self._save(job)
+
+    def _save(self, job: dict[str, Any]) -> None:
+        """Save `job`, or log why not (its state in memory stands; it is what the API answers)."""
+        try:
+            self.jobs.save(job)
+        except OSError as exc:
+            log.warning("cannot save fine-tuning job %s: %s", job["id"], exc)
 
     # files
     def file_path(self, file_id: str) -> Path:
         return self.contents / f"{file_id}.jsonl"
 
     def add_file(self, record: dict[str, Any], content: bytes) -> None:
-        self.file_path(record["id"]).write_bytes(content)
-        self.files.save(record)
+        """Store an upload (content first, then its record, each atomically); a 507 when the
+        state directory cannot take it (nothing is kept then)."""
+        try:
+            write_atomic(self.file_path(record["id"]), content)
+            self.files.save(record)
+        except OSError as exc:
+            self.files.records.pop(record["id"], None)
+            with contextlib.suppress(OSError):
+                self.file_path(record["id"]).unlink(missing_ok=True)
+            raise storage_error(exc, "store the file") from None
 
     def delete_file(self, file_id: str) -> None:
-        self.files.delete(file_id)
-        self.file_path(file_id).unlink(missing_ok=True)
+        try:
+            self.file_path(file_id).unlink(missing_ok=True)
+            self.files.delete(file_id)
+        except OSError as exc:
+            raise storage_error(exc, "delete the file") from None
+
+    def expire_files(self) -> None:
+        """Delete the files whose `expires_at` (files.create's `expires_after`) has passed."""
+        now = time.time()
+        for record in list(self.files.records.values()):
+            if record.get("expires_at") is not None and record["expires_at"] <= now:
+                try:
+                    self.delete_file(record["id"])
+                except APIError as exc:
+                    log.warning("cannot delete the expired file %s: %s", record["id"], exc)
 
     # jobs
     def add_job(self, job: dict[str, Any]) -> None:
         job["_events"] = [event(f"Created fine-tuning job: {job['id']}")]
-        self.jobs.save(job)
         job["status"] = "queued"
-        self.jobs.save(job)
+        try:
+            self.jobs.save(job)
+        except OSError as exc:
+            self.jobs.records.pop(job["id"], None)
+            raise storage_error(exc, "create the job") from None
         if self._wake is not None:
             self._wake.set()
 
@@ -111,7 +181,7 @@ class FineTuning:
             job["_events"].append(event(f"The job failed: {message}", level="error"))
         elif status == "cancelled":
             job["_events"].append(event("The job was cancelled"))
-        self.jobs.save(job)
+        self._save(job)
 
     async def run(self) -> None:
         """The worker: loads the finished jobs' models once the engine serves, then runs jobs."""
@@ -137,6 +207,12 @@ class FineTuning:
                 await self._run_job(job)
             except asyncio.CancelledError:
                 raise
+            except OSError as exc:  # the state directory: this job fails, the worker goes on
+                log.warning("fine-tuning job %s failed: %s", job["id"], exc)
+                if job["status"] not in FINISHED:
+                    reason = exc.strerror or type(exc).__name__
+                    message = f"the server's state directory cannot be written ({reason})"
+                    self._finish(job, "failed", storage_code(exc), message)
             except Exception as exc:  # noqa: BLE001 - the job fails, the worker goes on
                 log.exception("fine-tuning job %s failed", job["id"])
                 if job["status"] not in FINISHED:
@@ -171,32 +247,37 @@ class FineTuning:
         job["hyperparameters"] = hyper
         job["method"] = {"type": "supervised", "supervised": {"hyperparameters": hyper}}
         out = self.runs / job["id"]
+        resume = (out / STATE_FILE).is_file()  # this job's own run, stopped with the server
         threads = self.settings.fine_tune_threads
         argv = recipe.train_argv(
-            self.state.loaded.path, data, val, out, hyper, steps, per_epoch, job["seed"], threads
-        )
-        process = await asyncio.to_thread(TrainingProcess, argv, out, threads)
-        if job["status"] != "validating_files":  # cancelled meanwhile
-            await asyncio.to_thread(process.stop)
-            return
-        job["status"] = "running"
-        job["_events"].append(event("Fine-tuning job started"))
-        if steps < per_epoch * hyper["n_epochs"]:
-            job["_events"].append(
-                event(f"Training stops after {steps} steps (--fine-tune-max-steps)")
-            )
-        self.jobs.save(job)
-        tokens = await asyncio.to_thread(_tokens_an_example, self.state, data)
+            self.state.loaded.path, data, val, out, hyper, steps, per_epoch, job["seed"], threads,
+            resume,
+        )  # fmt: skip
+        reported = (job["_metrics"] or {}).get("step", 0) if resume else 0
+        # started from the event loop's thread, which lives as long as the server: the process's
+        # parent-death signal (runner) is tied to the thread that starts it
+        process = TrainingProcess(argv, out, threads, after_step=reported)
         try:
+            if job["status"] != "validating_files":  # cancelled meanwhile
+                return
+            job["status"] = "running"
+            started = "resumed from its checkpoint" if resume else "started"
+            job["_events"].append(event(f"Fine-tuning job {started}"))
+            if steps < per_epoch * hyper["n_epochs"]:
+                job["_events"].append(
+                    event(f"Training stops after {steps} steps (--fine-tune-max-steps)")
+                )
+            self.jobs.save(job)
+            tokens = await asyncio.to_thread(_tokens_an_example, self.state, data)
             while (code := process.poll()) is None and job["status"] == "running":
                 self._metrics(job, process, steps, tokens * hyper["batch_size"])
                 await asyncio.sleep(POLL_SECONDS)
+            if job["status"] != "running":
+                return
+            self._metrics(job, process, steps, tokens * hyper["batch_size"])
         finally:
-            if process.poll() is None:  # cancelled, or the server stops
+            if process.poll() is None:  # cancelled, failed, or the server stops
                 await asyncio.to_thread(process.stop)
-        if job["status"] != "running":
-            return
-        self._metrics(job, process, steps, tokens * hyper["batch_size"])
         if code != 0:
             message = _hide(process.failure(), job, data, val)
             self._finish(job, "failed", "training_failed", message)

@@ -33,22 +33,53 @@ LORA_RANK = 16
 BOUNDS = {"n_epochs": (1, 50), "batch_size": (1, 256), "learning_rate_multiplier": (1e-6, 100.0)}
 
 
+def _method_hyperparameters(method: Any) -> Any:
+    """`method.supervised.hyperparameters` (None if not given); a 400 naming the field for a
+    method this server does not train (DPO, reinforcement) or a malformed one."""
+    if not isinstance(method, dict):
+        raise APIError(400, "method must be an object", "method")
+    kind = method.get("type", "supervised")
+    if kind != "supervised":
+        raise APIError(
+            400, f"method.type {kind!r} is not supported: this server trains 'supervised' only "
+            "(no DPO or reinforcement fine-tuning)", "method.type",
+        )  # fmt: skip
+    for other in ("dpo", "reinforcement"):
+        if method.get(other) is not None:
+            raise APIError(
+                400, f"method.{other} is not supported with method.type 'supervised'",
+                f"method.{other}",
+            )  # fmt: skip
+    supervised = method.get("supervised")
+    if supervised is None:
+        return None
+    if not isinstance(supervised, dict):
+        raise APIError(400, "method.supervised must be an object", "method.supervised")
+    return supervised.get("hyperparameters")
+
+
 def requested_hyperparameters(body: dict[str, Any]) -> dict[str, Any]:
-    """`hyperparameters`, or `method.supervised.hyperparameters`, checked: each "auto" (the
-    default) or a number in its bounds; a 400 otherwise."""
-    given = body.get("hyperparameters")
-    method = body.get("method")
-    if method is not None:
-        if not isinstance(method, dict) or method.get("type", "supervised") != "supervised":
-            raise APIError(400, "method: only 'supervised' fine-tuning is supported", "method")
-        supervised = method.get("supervised") or {}
-        given = supervised.get("hyperparameters") or given
-    given = given or {}
+    """`hyperparameters`, or `method.supervised.hyperparameters` (not both), checked: each
+    "auto" (the default) or a number in its bounds; a 400 naming the field otherwise."""
+    given, where = body.get("hyperparameters"), "hyperparameters"
+    if body.get("method") is not None:
+        inner = _method_hyperparameters(body["method"])
+        if inner is not None:
+            if given:
+                raise APIError(
+                    400, "give hyperparameters or method.supervised.hyperparameters, not both",
+                    "hyperparameters",
+                )  # fmt: skip
+            given, where = inner, "method.supervised.hyperparameters"
+    given = {} if given is None else given
     if not isinstance(given, dict):
-        raise APIError(400, "hyperparameters must be an object", "hyperparameters")
+        raise APIError(400, f"{where} must be an object", where)
     unknown = sorted(set(given) - set(BOUNDS))
     if unknown:
-        raise APIError(400, f"unknown hyperparameter {unknown[0]!r}", "hyperparameters")
+        raise APIError(
+            400, f"unknown hyperparameter {unknown[0]!r} (known: {', '.join(BOUNDS)})",
+            f"{where}.{unknown[0]}",
+        )  # fmt: skip
     out: dict[str, Any] = {}
     for name, (low, high) in BOUNDS.items():
         value = given.get(name, "auto")
@@ -64,8 +95,8 @@ def requested_hyperparameters(body: dict[str, Any]) -> dict[str, Any]:
         if not ok:
             kind = "an integer" if integer else "a number"
             raise APIError(
-                400, f"hyperparameters.{name} must be 'auto' or {kind} in [{low:g}, {high:g}]",
-                f"hyperparameters.{name}",
+                400, f"{where}.{name} must be 'auto' or {kind} in [{low:g}, {high:g}]",
+                f"{where}.{name}",
             )  # fmt: skip
         out[name] = value if value == "auto" or not integer else int(value)
     return out
@@ -97,9 +128,10 @@ def total_steps(hyper: dict[str, Any], examples: int, max_steps: int | None) -> 
 
 def train_argv(
     base: Path, data: Path, val: Path | None, out: Path, hyper: dict[str, Any], steps: int,
-    per_epoch: int, seed: int, threads: int,
+    per_epoch: int, seed: int, threads: int, resume: bool = False,
 ) -> list[str]:  # fmt: skip
-    """The subprocess's command line: `python -m gptserve.training ...` (gptserve train)."""
+    """The subprocess's command line: `python -m gptserve.training ...` (gptserve train); with
+    `resume`, the run in `out` continues from its checkpoint (train_state.pt, once an epoch)."""
     argv = [
         sys.executable, "-m", "gptserve.training", "--init-from", str(base), "--chat-data",
         "--data", str(data), "--out", str(out), "--lora-rank", str(LORA_RANK),
@@ -108,7 +140,7 @@ def train_argv(
         "--lr", repr(BASE_LR * hyper["learning_rate_multiplier"]),
         "--warmup-steps", str(steps // 10), "--eval-interval", str(min(per_epoch, steps)),
         "--log-interval", str(max(1, steps // 50)), "--sample-tokens", "0",
-        "--seed", str(seed), "--threads", str(threads), "--overwrite",
+        "--seed", str(seed), "--threads", str(threads), "--resume" if resume else "--overwrite",
     ]  # fmt: skip
     argv += ["--val-data", str(val)] if val is not None else ["--val-fraction", "0"]
     return argv

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from gptserve.server.settings import Settings
+from gptserve.training.checkpointing import STATE_FILE
 
 from tests.server.conftest import MODEL_NAME, LiveServer, live_server
 
@@ -168,7 +169,9 @@ def test_files_jobs_and_models_outlast_a_restart(
     tiny_checkpoint: Path, data: Path, tmp_path: Path
 ) -> None:
     """One server makes a file, a job that succeeds and one still running when it stops; the
-    next, on the same --state-dir, has them all, serves the model and marks the second failed."""
+    next, on the same --state-dir, has them all, serves the model, and resumes the second from
+    its checkpoint if it had written one (once an epoch), else marks it failed saying why.
+    (Each branch on its own, and a SIGKILL: tests/server/test_fine_tuning_crash.py.)"""
     with serving(tiny_checkpoint, tmp_path, max_steps=None) as first:
         c = client(first)
         with open(data, "rb") as f:
@@ -183,13 +186,19 @@ def test_files_jobs_and_models_outlast_a_restart(
         )  # fmt: skip
         model = wait_for(c, done.id, ("succeeded",)).fine_tuned_model
         wait_for(c, long.id, ("running",))
+    checkpointed = (tmp_path / "jobs" / "runs" / long.id / STATE_FILE).is_file()
     with serving(tiny_checkpoint, tmp_path) as again:
         c = client(again)
         assert [f.id for f in c.files.list()] == [training.id]
         assert [j.id for j in c.fine_tuning.jobs.list()] == [long.id, done.id]  # newest first
         assert c.fine_tuning.jobs.retrieve(done.id).fine_tuned_model == model
-        stopped = c.fine_tuning.jobs.retrieve(long.id)
-        assert stopped.status == "failed" and stopped.error.code == "server_restarted"
+        if checkpointed:  # at or past --fine-tune-max-steps (3) already: nothing left to train
+            stopped = wait_for(c, long.id, ("succeeded", "failed", "cancelled"))
+            assert stopped.status == "succeeded", stopped.error
+        else:
+            stopped = c.fine_tuning.jobs.retrieve(long.id)
+            assert stopped.status == "failed" and stopped.error.code == "server_restarted"
+            assert "before its first checkpoint" in stopped.error.message
         deadline = time.monotonic() + 30
         while model not in [m.id for m in c.models.list()]:  # loaded once the engine serves
             assert time.monotonic() < deadline
@@ -197,6 +206,70 @@ def test_files_jobs_and_models_outlast_a_restart(
         reply = c.completions.create(model=model, prompt="The code", max_tokens=3)
         assert reply.model == model
         assert model not in [m.id for m in client(again, OTHER).models.list()]
+
+
+def test_every_openai_field_is_honoured_or_refused_by_name(live: LiveServer, data: Path) -> None:
+    """OpenAI's fine_tuning.jobs.create and files.create fields: what this server does not do
+    (DPO, reinforcement, integrations) is a 400 whose `param` names the field; `metadata` and
+    `expires_after` are kept; a field OpenAI does not define is a 400 too."""
+    c = client(live)
+    with open(data, "rb") as f:
+        training = c.files.create(file=f, purpose="fine-tune")
+    base = {"model": MODEL_NAME, "training_file": training.id}
+    supervised = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1}}}
+    refused = [
+        ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}}}, "method.type"),
+        ({"method": {"type": "reinforcement"}}, "method.type"),
+        ({"method": {**supervised, "dpo": {}}}, "method.dpo"),
+        ({"method": {"type": "supervised", "supervised": "yes"}}, "method"),
+        ({"method": supervised, "hyperparameters": {"n_epochs": 2}}, "hyperparameters"),
+        ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
+        ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters"),
+        ({"hyperparameters": {"epochs": 3}}, "hyperparameters"),
+        ({"seed": -1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"suffix": "no spaces"}, "suffix"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        ({"validation_file": "file-unknown"}, "validation_file"),
+        ({"training_file": "file-unknown"}, "training_file"),
+        ({"model": "gpt-4o-mini"}, "model"),
+    ]
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.fine_tuning.jobs.create(**{**base, **extra})
+        assert caught.value.body["param"] == param, (extra, caught.value.body)
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.fine_tuning.jobs.create(**base, method={"type": "dpo"})
+    assert "'dpo' is not supported" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:  # nothing a job is given is ignored
+        c.fine_tuning.jobs.create(**base, extra_body={"not_an_openai_field": 1})
+    assert caught.value.body["param"] == "not_an_openai_field"
+    with open(data, "rb") as f, pytest.raises(openai.BadRequestError) as caught:
+        c.files.create(file=f, purpose="fine-tune", extra_body={"not_a_form_field": "1"})
+    assert caught.value.body["param"] == "not_a_form_field"
+    job = c.fine_tuning.jobs.create(
+        **base, method=supervised, integrations=[], metadata={"team": "docs"}, seed=3
+    )
+    assert job.metadata == {"team": "docs"} and job.seed == 3 and job.method.type == "supervised"
+    assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    # files.create: expires_after kept as expires_at, and honoured
+    with open(data, "rb") as f:
+        expiring = c.files.create(
+            file=f, purpose="fine-tune", expires_after={"anchor": "created_at", "seconds": 3600}
+        )
+    assert expiring.expires_at == expiring.created_at + 3600
+    for bad, param in (
+        ({"anchor": "created_at", "seconds": 60}, "expires_after[seconds]"),
+        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after[anchor]"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught, open(data, "rb") as f:
+            c.files.create(file=f, purpose="fine-tune", expires_after=bad)  # type: ignore[arg-type]
+        assert caught.value.body["param"] == param, caught.value.body
+    live.app.state.fine_tuning.files.records[expiring.id]["expires_at"] = int(time.time()) - 1
+    assert expiring.id not in [f.id for f in c.files.list()]
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(expiring.id)
 
 
 def test_off_without_the_flag(server: LiveServer) -> None:

@@ -57,9 +57,30 @@ OPERATIONS = [
     "GET /api/tags",
     "GET /api/ps",
     "GET /api/version",
+    "POST /v1/files",
+    "GET /v1/files",
+    "GET /v1/files/{file_id}",
+    "GET /v1/files/{file_id}/content",
+    "DELETE /v1/files/{file_id}",
+    "POST /v1/fine_tuning/jobs",
+    "GET /v1/fine_tuning/jobs",
+    "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}",
+    "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}/events",
+    "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints",
+    "POST /v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel",
 ]
-# operations no generated request can succeed on: an id or an adapter the fuzzer cannot know
+# operations no generated request can succeed on: an id, an adapter or a file the fuzzer cannot
+# know (a job needs an uploaded file's id, an upload chat JSONL)
 NO_SUCCESS = {
+    "POST /v1/files",
+    "GET /v1/files/{file_id}",
+    "GET /v1/files/{file_id}/content",
+    "DELETE /v1/files/{file_id}",
+    "POST /v1/fine_tuning/jobs",
+    "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}",
+    "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}/events",
+    "GET /v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints",
+    "POST /v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel",
     "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}",
     "GET /v1/responses/{response_id}/input_items",
@@ -88,6 +109,9 @@ def fuzz_server(
         max_prompts=2,
         max_num_seqs=8,
         request_timeout=60,
+        enable_fine_tuning=True,  # the files and jobs API (a job the fuzzer made would train 1 step)
+        state_dir=str(tmp_path_factory.mktemp("ft-state")),
+        fine_tune_max_steps=1,
     )
     with live_server(limits) as live:
         yield live
@@ -152,9 +176,13 @@ def check_stream(response: Response) -> None:
             assert set(obj["error"]) == {"message", "type", "param", "code"}
 
 
-# Operations without parameters or a body have no invalid input to generate.
+# Operations without parameters or a body have no invalid input to generate (a job's cancel:
+# no body, and any string is a job id to look up).
+NO_INVALID_INPUT = {"POST /v1/fine_tuning/jobs/{fine_tuning_job_id}/cancel"}
 CASES = [(label, GenerationMode.POSITIVE) for label in OPERATIONS] + [
-    (label, GenerationMode.NEGATIVE) for label in OPERATIONS if label.startswith("POST")
+    (label, GenerationMode.NEGATIVE)
+    for label in OPERATIONS
+    if label.startswith("POST") and label not in NO_INVALID_INPUT
 ]
 
 
