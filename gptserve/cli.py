@@ -5,6 +5,7 @@
     gptserve train      train a model or a LoRA adapter (gptserve train in a checkout)
     gptserve ray        the server's replicas on Ray Serve (python -m gptserve.server.ray)
     gptserve fetch      fetch the default model and build the CPU kernels ahead of a start
+    gptserve export     write a model, its LoRA adapter merged, as a GGUF file (gptserve.export)
 
 A subcommand's module is imported only when it runs, so `gptserve --help` is quick.
 """
@@ -23,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("gptserve.training.cli", "train a model, or a LoRA adapter, on text"),
     "ray": ("gptserve.server.ray.cli", "serve replicas on Ray Serve"),
     "fetch": ("gptserve.fetch", "fetch models and build the CPU kernels ahead of a start"),
+    "export": ("gptserve.export", "write a model, its LoRA adapter merged, as a GGUF file"),
 }
 
 

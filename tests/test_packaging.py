@@ -113,7 +113,7 @@ def test_every_command_has_help() -> None:
     command = str(Path(sys.executable).with_name("gptserve"))
     top = subprocess.run([command, "--help"], capture_output=True, text=True, timeout=60)
     assert top.returncode == 0, top.stderr
-    for name in ("serve", "generate", "train", "ray", "fetch"):
+    for name in ("serve", "generate", "train", "ray", "fetch", "export"):
         assert f"  {name}" in top.stdout
         done = subprocess.run(
             [command, name, "--help"], capture_output=True, text=True, timeout=120
