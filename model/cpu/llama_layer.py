@@ -13,6 +13,7 @@ prefill, a cache without the one-call decode) takes the block's own forward. A s
 adapter rows (`model.lora.batched`) passes the call its layer's updates, which it adds to each
 product's output as the products' wrappers do; where it cannot (an adapter's rows not one run,
 adapters not float32) the step takes the block's forward, whose products apply them.
+Gemma 3's layers take a call of their own over the same products (`model.cpu.gemma_layer`).
 `python bench/cpu_parts.py --parts llama-layer` compares the two.
 """
 
@@ -35,7 +36,7 @@ INT4, FLOAT_TILES = 0, 1  # the kernel's product kinds (llama_layer.cpp's `Kind`
 ANY_ROWS = 1 << 30  # int4 products take any number of rows
 
 
-def _product_kind(product: nn.Module) -> int | None:
+def product_kind(product: nn.Module) -> int | None:
     """The kernel's kind for a product module it can call, else None."""
     if type(product) is Int4Linear:
         float_out = (product.out_dtype or product.dtype) == torch.float32
@@ -47,7 +48,7 @@ def _product_kind(product: nn.Module) -> int | None:
     return None
 
 
-def _product_args(product: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Any, int, int]:
+def product_args(product: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Any, int, int]:
     """weight, table, bias, outputs and input copies as the kernel takes them."""
     if type(product) is Int4Linear:
         return (
@@ -71,7 +72,7 @@ def fits(block: nn.Module) -> bool:
     if type(mlp) is not FusedSwiGLU or mlp.mid_dtype != torch.float32:
         return False
     products = (block.attn.c_attn, block.attn.c_proj, mlp.c_fc, mlp.c_proj)
-    return all(_product_kind(p) is not None for p in products)
+    return all(product_kind(p) is not None for p in products)
 
 
 class FusedLlamaBlock(OneCallBlock):
@@ -84,8 +85,8 @@ class FusedLlamaBlock(OneCallBlock):
         products = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         self.op, self.n_head, self.eps = op, attn.n_head, block.ln_1.eps
         self.norms = [block.ln_1.weight, block.ln_2.weight]
-        self.kinds = [_product_kind(p) for p in products]
-        args = [_product_args(p) for p in products]
+        self.kinds = [product_kind(p) for p in products]
+        args = [product_args(p) for p in products]
         self.weights, self.tables, self.biases, self.widths, self.copies = (
             list(column) for column in zip(*args)
         )

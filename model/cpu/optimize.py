@@ -16,8 +16,9 @@ is compiled (`Int8Linear` in tiles) has that product apply the activation too. A
 feed-forward block keeps its own forward, unless the compiled CPU kernels are built
 (`kernels.cpu.native`): then a float32 Llama-family layer's norms and SwiGLU are one call each,
 written in the next product's dtype (`model.cpu.fused_rows`), a Llama-family layer whose products
-are compiled takes its decode step in one call (`model.cpu.llama_layer`), and a float32 GPT-2
-layer whose products read tiles takes a decode step of a few rows in one call
+are compiled takes its decode step in one call (`model.cpu.llama_layer`), as does a Gemma 3
+layer of float32 norms, its (1 + w) norms, q/k norms and GeGLU included (`model.cpu.gemma_layer`),
+and a float32 GPT-2 layer whose products read tiles takes a decode step of a few rows in one call
 (`model.cpu.decode_layer`).
 `python bench/cpu_parts.py` measures each part against what it replaces.
 
@@ -36,6 +37,7 @@ from gptserve.kernels.cpu.native import native_ops
 from gptserve.model.cpu.decode_layer import install_decode_layers
 from gptserve.model.cpu.few_rows_linear import LAYER_FEW_ROWS, FewRowsLinear, compiled_tiles
 from gptserve.model.cpu.fused_rows import FusedRMSNorm, install_fused_rows
+from gptserve.model.cpu.gemma_layer import install_gemma_layers
 from gptserve.model.cpu.llama_layer import install_llama_layers
 from gptserve.model.cpu.onednn_linear import OneDnnLinear
 from gptserve.model.cpu.packed_linear import (
@@ -110,6 +112,7 @@ def optimize_for_cpu(model: GPT, threads: int | None = None, batch_invariant: bo
     if ops is not None:
         install_fused_rows(model, ops)
         install_llama_layers(model, ops)
+        install_gemma_layers(model, ops)
     if tiles_ops is not None:
         install_decode_layers(model, tiles_ops)
     return model
