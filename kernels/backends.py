@@ -410,10 +410,15 @@ def select_attention_backend(
 ) -> AttentionBackend:
     """The backend for pools of `dtype` on `device`: the CPU paths on a CPU, Triton on CUDA
     (where triton is installed and has the dtype), gather + SDPA anywhere else.
-    `batch_invariant` is for the CPU paths (`CpuPagedBackend`); elsewhere nothing promises it."""
+    `batch_invariant` is for the CPU paths (`kernels.cpu.row_invariant`: every new token attends
+    as a decode does); elsewhere nothing promises it."""
     device = torch.device(device)
+    if device.type == "cpu" and batch_invariant:
+        from gptserve.kernels.cpu.row_invariant import RowInvariantCpuBackend  # imports this
+
+        return RowInvariantCpuBackend()
     if device.type == "cpu":
-        return CpuPagedBackend(batch_invariant=batch_invariant)
+        return CpuPagedBackend()
     if device.type == "cuda" and dtype in TRITON_DTYPES and triton_available():
         return TritonBackend()
     return SdpaGatherBackend()
