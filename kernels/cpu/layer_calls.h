@@ -21,6 +21,19 @@ inline at::Tensor tiled_product(const at::Tensor& x, const at::Tensor& tiles, co
   return op.call(x, tiles, bias, n, activation);
 }
 
+// rows times int8 tiles (q8_matmul.cpp: the rows quantized to 8 bits per block of 32), with the
+// per-column scales, the bias and `activation`
+inline at::Tensor q8_product(const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const Bias& bias, int64_t n,
+                             int64_t activation) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const Bias&, int64_t, int64_t);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gptserve_cpu::q8_matmul", "")
+                             .typed<Signature>();
+  return op.call(x, codes, scales, bias, n, activation);
+}
+
 // paged_decode_qkv (paged_decode.cpp): the rotation (cos, sin; none for GPT-2), the writes and
 // the one-query attention of each row, float32 out
 inline at::Tensor attend(const at::Tensor& qkv, const Bias& cos, const Bias& sin,
