@@ -29,6 +29,7 @@ from gptserve.server.lora_api import router as lora_router
 from gptserve.server.messages.api import router as messages_router
 from gptserve.server.messages.errors import AnthropicErrorShape
 from gptserve.server.metrics import Metrics
+from gptserve.server.models.registry import ModelLeases, ModelRegistry
 from gptserve.server.ollama.api import router as ollama_router
 from gptserve.server.ollama.errors import OllamaErrorShape
 from gptserve.server.openai_api import router as openai_router
@@ -44,7 +45,7 @@ from gptserve.server.protocol import (
 from gptserve.server.request_ids import install as install_request_ids
 from gptserve.server.responses.api import router as responses_router
 from gptserve.server.responses.store import ResponseStore
-from gptserve.server.runtime import LoadedModel, ServerState, load_model
+from gptserve.server.runtime import LoadedModel, load_model
 from gptserve.server.settings import Settings
 from gptserve.server.streams import ClientGone
 from gptserve.server.tenancy import TENANT_SCOPE_KEY, key_tenant
@@ -221,14 +222,15 @@ def create_app(
     server answers at once, /health with 503 "loading" until the engine runs."""
     settings.validate()
     warn_about_admin_scope(settings)
-    metrics = Metrics()
-    state = ServerState(settings, metrics, loader)
+    metrics = Metrics(by_model=settings.serves_many)
+    models = ModelRegistry(settings, metrics, loader)  # server.models: one model, or several
+    state = models.state(None)  # the default model's
     fine_tuning = FineTuning(settings, state) if settings.enable_fine_tuning else None
     tracer = start_tracing(settings.otlp_traces_endpoint)  # None: OpenTelemetry never imported
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.start_loading()
+        models.start()
         worker = asyncio.create_task(fine_tuning.run()) if fine_tuning is not None else None
         try:
             yield
@@ -236,7 +238,7 @@ def create_app(
             if worker is not None:  # a running job's process is stopped (failed at restart)
                 worker.cancel()
                 await asyncio.gather(worker, return_exceptions=True)
-            await asyncio.to_thread(state.stop)
+            await asyncio.to_thread(models.stop)
             if tracer is not None:  # the last spans go out
                 await asyncio.to_thread(tracer.shutdown)
 
@@ -246,7 +248,8 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.server = state
+    app.state.server = state  # the default model's (the only one's, with one --model)
+    app.state.models = models  # every model by name: handlers acquire theirs from it
     app.state.fine_tuning = fine_tuning  # None: /v1/files and /v1/fine_tuning answer 404
     app.state.tracer = tracer  # server.request_log records each request's span with it
     app.state.responses = ResponseStore(settings.responses_store_size)  # server.responses
@@ -264,9 +267,10 @@ def create_app(
     app.include_router(files_router)
     app.include_router(fine_tuning_router)
     app.include_router(ollama_router)  # Ollama's /api/* (server.ollama)
-    _add_routes(app, state)
+    _add_routes(app, models)
     if STATIC_DIR.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.add_middleware(ModelLeases, registry=models)  # a request's model stays until it ends
     app.add_middleware(AdmissionControl, settings=settings, metrics=metrics)
     install_request_ids(app)  # X-Request-Id around everything, Starlette's 500s included
     app.add_middleware(AnthropicErrorShape)  # outside the gate: its 401/413/429 are reshaped too
@@ -274,8 +278,9 @@ def create_app(
     return app
 
 
-def _add_routes(app: FastAPI, state: ServerState) -> None:
+def _add_routes(app: FastAPI, models: ModelRegistry) -> None:
     started = int(time.time())
+    state = models.state(None)  # the default model's
 
     @app.get(
         "/health",
@@ -283,7 +288,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         responses={**ERROR_RESPONSES, 503: {"model": HealthResponse, "description": "not ready"}},
     )
     async def health() -> JSONResponse:
-        status, body = state.health()
+        status, body = state.health() if not models.many else _many_health(models)
         return JSONResponse(body, status_code=status)
 
     @app.get(
@@ -295,33 +300,50 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         },
     )
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+        return Response(models.metrics.render(), media_type=models.metrics.content_type)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models(request: Request) -> dict:
-        async_engine = state.require_ready()
-        base = state.loaded.name
+        if not models.many:
+            state.require_ready()
         paths = is_admin(request)  # `root` is where a model was read from for admins, else its id
-        card = {
-            "id": base,
-            "object": "model",
-            "created": started,
-            "owned_by": "gptserve",
-            "max_model_len": async_engine.limits.max_model_len,
-            "root": str(state.loaded.path) if paths else base,
-            "parent": None,
-        }
-        adapters = [  # each LoRA adapter is a model of its own, its parent the base (as vLLM)
-            {**card, "id": name, "root": source if paths else name, "parent": base}
-            for name, source in list(state.lora_names.items())
-            if state.may_use(name, request.scope.get(TENANT_SCOPE_KEY))  # own fine-tuned models
-        ]
-        return {"object": "list", "data": [card, *adapters]}
+        tenant = request.scope.get(TENANT_SCOPE_KEY)
+        data = []
+        for spec in models.specs():
+            model = models.state(spec.name or None)
+            base = spec.name or model.loaded.name
+            async_engine = model.async_engine
+            card = {
+                "id": base,
+                "object": "model",
+                "created": started,
+                "owned_by": "gptserve",
+                "max_model_len": async_engine.limits.max_model_len if async_engine else None,
+                "root": (str(model.loaded.path) if model.loaded else spec.source)
+                if paths
+                else base,
+                "parent": None,
+                "loaded": async_engine is not None,
+            }
+            if spec.error is not None:  # a model of --models-dir that cannot be served
+                card["error"] = (
+                    spec.error
+                    if paths or not models.settings.auth_keys
+                    else ("it cannot be served: the server log has the reason")
+                )
+            adapters = [  # each LoRA adapter is a model of its own, its parent the base (as vLLM)
+                {**card, "id": name, "root": source if paths else name, "parent": base}
+                for name, source in list(model.lora_names.items())
+                if model.may_use(name, tenant)  # own fine-tuned models
+            ]
+            data += [card, *adapters]
+        return {"object": "list", "data": data}
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:
-        async_engine = state.require_ready()
-        tokens = state.validator.tokenize(body)
+        model = await models.acquire(body.model)
+        async_engine = model.require_ready()
+        tokens = model.validator.tokenize(body)
         return {
             "tokens": tokens,
             "count": len(tokens),
@@ -330,8 +352,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict:
-        state.require_ready()
-        return {"prompt": state.loaded.tokenizer.decode(state.validator.detokenize(body))}
+        model = await models.acquire(body.model)
+        model.require_ready()
+        return {"prompt": model.loaded.tokenizer.decode(model.validator.detokenize(body))}
 
     @app.get("/", include_in_schema=False)
     async def playground() -> Response:
@@ -341,3 +364,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 404, "no playground is installed (server/static/index.html)", code="not_found"
             )
         return FileResponse(index)
+
+
+def _many_health(models: ModelRegistry) -> tuple[int, dict]:
+    """A server of several models is healthy while its registry works: each model loads on
+    demand, and one that fails to load fails only its own requests. The counts are the loaded
+    models' together."""
+    loaded = [state.async_engine for _, state in models.loaded()]
+    body = {
+        "status": "ok",
+        "model": models.default_name(),
+        "failed_steps": sum(e.num_failed_steps for e in loaded if e.engine is not None),
+        "running": sum(e.num_running for e in loaded if e.engine is not None),
+        "waiting": sum(e.num_waiting for e in loaded if e.engine is not None),
+    }
+    if not models.running():
+        return 503, {**body, "status": "failed", "error": "the model registry has stopped"}
+    return 200, body

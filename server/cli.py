@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     def stop_serving(message: str) -> None:  # called in the loader or the engine thread
         server.should_exit = True
 
-    state.on_load_error = stop_serving
+    if not settings.serves_many:  # with several models a failed load fails its requests only
+        state.on_load_error = stop_serving
     if settings.exit_on_engine_failure:  # the engine has already failed its requests
         state.on_engine_failure = stop_serving
     # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown; with these no-op

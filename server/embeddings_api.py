@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from gptserve.engine.async_engine import EngineDeadError
 from gptserve.engine.sequence import SEQUENCE_ERROR
 from gptserve.server.errors import APIError
+from gptserve.server.models.routing import request_model
 from gptserve.server.openai_api import check_queue, engine_stopped
 from gptserve.server.protocol import ERROR_RESPONSES, EmbeddingRequest, EmbeddingResponse
 from gptserve.server.request_log import RequestLog
-from gptserve.server.runtime import ServerState
 from gptserve.server.streams import ClientGone, RequestTimeout, merged_events
 from gptserve.server.tenancy import TENANT_SCOPE_KEY
 from starlette.concurrency import run_in_threadpool
@@ -33,7 +33,7 @@ def encode_base64(vector: list[float]) -> str:
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model)
     async_engine = state.require_ready()
     inputs = await run_in_threadpool(state.validator.embedding, body)  # tokenizing: off the loop
     tenant = request.scope.get(TENANT_SCOPE_KEY)

@@ -29,6 +29,7 @@ from gptserve.model.config import ModelConfig
 from gptserve.model.lora.adapter import LoraAdapter
 from gptserve.server.admin import require_admin
 from gptserve.server.errors import APIError
+from gptserve.server.models.routing import request_model
 from gptserve.server.openai_api import engine_stopped
 from gptserve.server.protocol import (
     PLAIN_TEXT_ERRORS,
@@ -105,13 +106,14 @@ def _adapter_errors(late: str) -> Iterator[None]:
     dependencies=_GUARDS,
 )  # fmt: skip
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.base_model)  # the base: the default by default
     async_engine = state.require_ready()
     name = body.lora_name
     if name == state.loaded.name:
         raise APIError(
             400, f"{name!r} is the base model's name", param="lora_name", code="lora_name_taken"
         )
+    _check_name_free(request, state, name)
     config = state.loaded.model.config
     with _adapter_errors("the engine did not take the adapter in time"):
         roots = state.settings.lora_roots
@@ -128,10 +130,41 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
 async def unload_lora_adapter(
     body: UnloadLoraAdapterRequest, request: Request
 ) -> PlainTextResponse:
-    state: ServerState = request.app.state.server
-    async_engine = state.require_ready()
     name = body.lora_name
+    state = _base_of(request, name)
+    if state.async_engine is None and name in state.lora_names:  # its base is not loaded now
+        state.lora_names.pop(name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+    if state.async_engine is None:
+        state = await request_model(request, None)
+    async_engine = state.require_ready()
     state.lora_names.pop(name, None)  # new requests for it are refused from now on
     with _adapter_errors("the engine did not unload in time"):
         await async_engine.run_on_engine(lambda engine: engine.adapters.unload(name))
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _base_of(request: Request, name: str) -> ServerState:
+    """The model whose adapter `name` is (on a server of several), else the default model."""
+    models = request.app.state.models
+    for spec in models.specs():
+        state = models.state(spec.name or None)
+        if name in state.lora_names:
+            return state
+    return models.state(None)
+
+
+def _check_name_free(request: Request, base: ServerState, name: str) -> None:
+    """An adapter's name is one base's: 400 when another model or another base's adapter has
+    it (a request naming it must reach one base)."""
+    models = request.app.state.models
+    if not models.many:
+        return
+    taken = name in models.names() or any(
+        name in models.state(n).lora_names for n in models.names() if models.state(n) is not base
+    )
+    if taken:
+        raise APIError(
+            400, f"{name!r} is already the name of another model or of another model's adapter",
+            param="lora_name", code="lora_name_taken",
+        )  # fmt: skip

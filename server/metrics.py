@@ -17,19 +17,25 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 
 
 class Metrics:
+    """The app's metrics. With `by_model` (a server of several models, server.models) every
+    metric but the HTTP responses has a `model` label, and each model's ServerState counts
+    through `for_model(name)`; without it the names and labels are a single-model server's."""
+
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, by_model: bool = False) -> None:
         self.registry = registry = CollectorRegistry()
+        self.by_model = by_model
+        per_model = ("model",) if by_model else ()
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, buckets=buckets, registry=registry)
+            return Histogram(name, doc, per_model, buckets=buckets, registry=registry)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
+            return Counter(name, doc, (*per_model, *labels), registry=registry)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, registry=registry)
+            return Gauge(name, doc, per_model, registry=registry)
 
         latency, per_token = _LATENCY_BUCKETS, _TOKEN_BUCKETS
         self.ttft = histogram(
@@ -72,9 +78,10 @@ class Metrics:
             "gptserve_requests", "Finished requests by HTTP status and finish reason.",
             ("endpoint", "status", "finish_reason"),
         )  # fmt: skip
-        self.responses = counter(
-            "gptserve_http_responses", "HTTP responses by status code.", ("status",)
-        )
+        self.responses = Counter(  # of the whole server, never by model
+            "gptserve_http_responses", "HTTP responses by status code.", ("status",),
+            registry=registry,
+        )  # fmt: skip
         self.tool_calls = counter("gptserve_tool_calls", "Tool calls returned to clients.")
         self.running = gauge("gptserve_num_requests_running", "Sequences decoding.")
         self.waiting = gauge("gptserve_num_requests_waiting", "Sequences waiting.")
@@ -87,6 +94,16 @@ class Metrics:
             "gptserve_kv_cache_bytes_per_token",
             "Key and value bytes one cached token takes (layers x KV heads x head dim x dtype).",
         )
+
+    def for_model(self, name: str) -> Metrics | ModelMetrics:
+        """What one model counts through: these metrics' `model=name` children (by_model), else
+        the metrics themselves."""
+        return ModelMetrics(self, name) if self.by_model else self
+
+    def unwatch(self) -> None:
+        """The engine has stopped (its model unloaded): its gauges read 0 and hold nothing."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.failed_steps):
+            gauge.set_function(lambda: 0)
 
     def watch(self, async_engine: AsyncEngine) -> None:
         """Read the engine's gauges at scrape time and count its steps."""
@@ -117,3 +134,27 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# the metrics a ModelMetrics hands out as its model's children
+_PER_MODEL = (
+    "ttft", "itl", "e2e", "step", "prompt_tokens", "generation_tokens", "preemptions",
+    "prefix_queries", "prefix_hits", "spec_proposed", "spec_accepted", "tool_calls", "running",
+    "waiting", "kv_usage", "failed_steps", "kv_bytes_per_token",
+)  # fmt: skip
+
+
+class ModelMetrics(Metrics):
+    """One model's view of a by_model Metrics: the same attributes and methods, each metric its
+    `model` child; the registry and the HTTP responses are the app's."""
+
+    def __init__(self, parent: Metrics, name: str) -> None:  # no super().__init__: a view
+        self.registry, self.by_model, self.model = parent.registry, False, name
+        self.responses = parent.responses
+        self._requests = parent.requests
+        for attr in _PER_MODEL:
+            setattr(self, attr, getattr(parent, attr).labels(model=name))
+
+    def count_request(self, endpoint: str, status: int | str, finish_reason: str | None) -> None:
+        labels = (self.model, endpoint, str(status), finish_reason or "none")
+        self._requests.labels(*labels).inc()

@@ -18,6 +18,7 @@ from gptserve.server.chat.reasoning import ReasoningSplitter
 from gptserve.server.chat.reasoning import split as split_reasoning
 from gptserve.server.chat.tools.parser import ToolCallParser
 from gptserve.server.errors import APIError, error_body
+from gptserve.server.models.routing import request_model
 from gptserve.server.protocol import (
     COMPLETION_ERRORS,
     SSE_RESPONSE,
@@ -327,13 +328,13 @@ def _whole_choice(accepted: AcceptedRequest, c: Choice) -> dict:
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model)
     return await _answer(state, "completion", lambda v: v.completion(body), request)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model)
     return await _answer(state, "chat", lambda v: v.chat(body), request)
 
 

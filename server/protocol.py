@@ -444,9 +444,11 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int | None  # None: not loaded (a server of several models)
     root: str | None = None  # where it was read from for an admin (server.admin), else its id
     parent: str | None = None  # a LoRA adapter's base model (its id), as vLLM lists it
+    loaded: bool = True  # whether it is loaded now (server.models loads on demand)
+    error: str | None = None  # why it cannot be served (a bad file of --models-dir)
 
 
 class LoadLoraAdapterRequest(_Body):
@@ -454,6 +456,8 @@ class LoadLoraAdapterRequest(_Body):
 
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+    # the model the adapter is for, on a server of several models (default: the default model)
+    base_model: str | None = Field(None, min_length=1, max_length=256)
 
 
 class UnloadLoraAdapterRequest(_Body):

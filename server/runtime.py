@@ -7,6 +7,7 @@ over HTTP while a large checkpoint loads and 200 once it serves.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from gptserve.model.tokenizers import Tokenizer
 from gptserve.server.chat.templates import ChatFormat, load_chat_format
 from gptserve.server.errors import APIError
 from gptserve.server.metrics import Metrics
+from gptserve.server.models.specs import check_preload, model_settings, model_specs
 from gptserve.server.settings import DEFAULT_KV_CONTEXTS, DEFAULT_KV_TOKENS_PER_SEQ, Settings
 from gptserve.server.validation import Validator
 
@@ -56,7 +58,17 @@ class LoadedModel:
 def preflight(settings: Settings) -> None:
     """The checks that need no loading (directory, device, dtype with --quantize): `python -m
     server` runs them before it binds its port, so these mistakes exit at once. Raises
-    ModelLoadError."""
+    ModelLoadError (SettingsError for a server of several models' names)."""
+    if settings.serves_many:  # each --model's model; --models-dir's bad entries only log
+        specs = model_specs(settings)
+        check_preload(settings, [s.name for s in specs])
+        flags = (1 if settings.model else 0) + len(settings.extra_models)
+        for i, spec in enumerate(specs[:flags]):
+            try:
+                preflight(model_settings(settings, spec, default=i == 0))
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"--model {spec.name}: {exc}") from None
+        return
     path, name = settings.model_path, settings.model_name
     if name == "shakespeare" and not path.is_dir():
         raise ModelLoadError(f"the bundled shakespeare model is missing at {path}")
@@ -206,9 +218,13 @@ class ServerState:
             kv_cache_dtype=DTYPES.get(settings.kv_cache_dtype),  # auto: None, the model's
         )
 
+        remembered = self._remembered_adapters(loaded)
+
         def build() -> Engine:
             engine = Engine(loaded.model, loaded.tokenizer, config, loaded.draft, loaded.lora)
             for name, (adapter, _) in loaded.adapters.items():
+                engine.adapters.load(name, adapter)
+            for name, adapter in remembered.items():
                 engine.adapters.load(name, adapter)
             return engine
 
@@ -248,12 +264,67 @@ class ServerState:
             limits.kv_block_size, async_engine.kv_bytes_per_token,
         )  # fmt: skip
 
+    def _remembered_adapters(self, loaded: LoadedModel) -> dict[str, LoraAdapter]:
+        """The adapters this model served before it was unloaded (loaded at run time or
+        fine-tuned; `lora_names` keeps them), read again for its new engine; one that no longer
+        reads is dropped with a warning."""
+        adapters = {}
+        for name, source in list(self.lora_names.items()):
+            if name in loaded.adapters or loaded.lora is None:
+                continue
+            try:
+                adapter = read_adapter(Path(source), loaded.model.config, name)
+                loaded.lora.check(adapter)
+            except (AdapterError, LoraRankError, LoraShapeError, OSError) as exc:
+                log.warning("%s: the adapter %s is no longer served: %s", loaded.name, name, exc)
+                self.lora_names.pop(name, None)
+                continue
+            adapters[name] = adapter
+        return adapters
+
     def stop(self) -> None:
         with self._lock:
             self.closed = True
             async_engine = self.async_engine
         if async_engine is not None:
             async_engine.stop()
+
+    def unload(self) -> None:
+        """Stop the engine and let the model go, so the process's memory falls back; the state
+        can load again (`start_loading`). Its adapters' names and fine-tuned models' owners
+        stay: they come back with the model. Blocking (the engine thread is joined)."""
+        with self._lock:
+            async_engine = self.async_engine
+            self.loaded, self.validator, self.async_engine = None, None, None
+            self.load_error, self.loader_thread = None, None
+        self.metrics.unwatch()
+        if async_engine is not None:
+            async_engine.stop()
+            async_engine.on_failure = None
+        del async_engine
+        gc.collect()  # the model's tensors sit in reference cycles (modules, closures)
+        release_freed_memory()
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine has running or queued sequences."""
+        async_engine = self.async_engine
+        return async_engine is not None and async_engine.num_running + async_engine.num_waiting > 0
+
+    def resident_bytes(self) -> int:
+        """The loaded model's weights (draft included) and its KV pool at its full size: what
+        --max-loaded-gb counts; 0 when nothing is loaded."""
+        loaded, async_engine = self.loaded, self.async_engine
+        if loaded is None or async_engine is None:
+            return 0
+        size = 0
+        for model in (loaded.model, loaded.draft):
+            if model is not None:
+                size += sum(t.numel() * t.element_size() for t in model.parameters())
+                size += sum(t.numel() * t.element_size() for t in model.buffers())
+        limits = async_engine.limits
+        kv = limits.kv_cache_blocks * limits.kv_block_size * async_engine.kv_bytes_per_token
+        return size + kv
 
     def _engine_failed(self, reason: str) -> None:  # called in the engine thread
         if self.on_engine_failure is not None:

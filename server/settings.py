@@ -66,8 +66,33 @@ class Settings:
     model: str | None = flag(
         None,
         "a checkpoint directory, a GGUF file, or a known model's name: "
-        "smollm2-135m-instruct (the default; fetched once) or shakespeare (bundled)",
+        "smollm2-135m-instruct (the default; fetched once) or shakespeare (bundled); "
+        "NAME=PATH names it; repeatable: several models, a request's model picks one (the "
+        "first is the default)",
     )
+    # the second and later --model flags (its own flag, --extra-model, is hidden)
+    extra_models: list[str] = flag([], "", name="extra-model")
+    models_dir: str | None = flag(
+        None, "serve every model in this folder: each GGUF file (named by its stem), Hugging "
+        "Face directory and train.py output (named by the folder's name), loaded on demand",
+    )  # fmt: skip
+    preload: list[str] = flag(
+        [], "a model to load at start rather than on its first request (repeatable); a single "
+        "--model always loads at start",
+    )  # fmt: skip
+    keep_alive: float = flag(
+        300.0, "with several models: seconds a loaded model stays loaded with no running or "
+        "queued request before it unloads; -1: never", low=-1,
+    )  # fmt: skip
+    max_loaded_models: int | None = flag(
+        None, "with several models: models loaded at once; loading one more first unloads the "
+        "least recently used idle one", low=1,
+    )  # fmt: skip
+    max_loaded_gb: float | None = flag(
+        None, "with several models: a memory budget (GiB) for the loaded models' weights and "
+        "KV caches (estimated); loading past it first unloads the least recently used idle "
+        "ones", positive=True,
+    )  # fmt: skip
     host: str = flag(
         "127.0.0.1", "address to bind; on a loopback address only loopback Host headers are "
         "answered (see --allowed-host); on another, set --api-key",
@@ -330,6 +355,10 @@ class Settings:
         if self.draft_model is not None and not Path(self.draft_model).is_dir():
             raise SettingsError(f"--draft-model: no checkpoint directory {self.draft_model}")
         self._validate_lora()
+        if self.keep_alive < 0 and self.keep_alive != -1:
+            raise SettingsError("--keep-alive must be >= 0, or -1 (never unload)")
+        if self.models_dir is not None and not Path(self.models_dir).is_dir():
+            raise SettingsError(f"--models-dir: no directory {self.models_dir}")
         if any(not key for key in self.auth_keys):
             raise SettingsError("API keys must be non-empty")
         if any(not root for root in self.lora_roots):
@@ -340,6 +369,12 @@ class Settings:
                 f"--otlp-traces-endpoint must be an http:// or https:// URL, not {endpoint!r}"
             )
         return self
+
+    @property
+    def serves_many(self) -> bool:
+        """Whether this server serves several models (more than one --model, or --models-dir):
+        then models load on demand and unload when idle (server.models)."""
+        return bool(self.extra_models or self.models_dir)
 
     @property
     def auth_keys(self) -> list[str]:
@@ -381,6 +416,15 @@ class Settings:
             raise SettingsError("--lora: an adapter cannot have the served model's name")
 
 
+def split_named(spec: str) -> tuple[str | None, str]:
+    """`NAME=PATH` -> (NAME, PATH); a plain path or known name -> (None, it). A `=` inside a
+    path (after a slash) or in a path that exists is part of the path."""
+    name, eq, source = spec.partition("=")
+    if not eq or not name or not source or "/" in name or Path(spec).exists():
+        return None, spec
+    return name, source
+
+
 def flag_name(f: Field) -> str:
     return f.metadata["name"] or f.name.replace("_", "-")
 
@@ -407,12 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(Settings)
     for f in fields(Settings):
         meta = f.metadata
-        kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"] or argparse.SUPPRESS}
         if meta["choices"]:
             kwargs["choices"] = meta["choices"]
         else:
             kwargs["metavar"] = flag_name(f).upper().replace("-", "_")
-        if f.default_factory is not MISSING:  # a list: a repeatable flag
+        if f.name == "model":  # repeatable: the first is `model`, the others extra_models
+            kwargs.update(action=_ModelFlag, default=None)
+        elif f.default_factory is not MISSING:  # a list: a repeatable flag
             kwargs.update(action="append", default=[])
         elif hints[f.name] is bool:  # a switch
             kwargs.pop("metavar")
@@ -421,6 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(type=_scalar_type(hints[f.name]), default=f.default)
         groups[meta["group"]].add_argument(f"--{flag_name(f)}", **kwargs)
     return parser
+
+
+class _ModelFlag(argparse.Action):
+    """--model: the first is the default model, each later one another model (extra_models)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        if namespace.model is None:
+            namespace.model = values
+        else:
+            namespace.extra_models = [*namespace.extra_models, values]
 
 
 def _scalar_type(hint: Any) -> type:
@@ -434,6 +493,10 @@ def settings_from_args(
 ) -> Settings:
     """Parse flags (argparse exits 2 on unknown ones); raises SettingsError for bad values."""
     values = vars(build_parser().parse_args(argv))
+    if values["model"] and not values["extra_models"] and not values["models_dir"]:
+        name, source = split_named(values["model"])  # one --model NAME=PATH: PATH named NAME
+        values["model"] = source
+        values["served_model_name"] = values["served_model_name"] or name
     env = os.environ if env is None else env
     values["api_keys"] += _env_keys(env, API_KEYS_ENV)
     values["admin_api_keys"] += _env_keys(env, ADMIN_API_KEYS_ENV)

@@ -31,9 +31,9 @@ from gptserve.server.messages.request import (
     rename_error,
     to_chat,
 )
+from gptserve.server.models.routing import request_model
 from gptserve.server.openai_api import SSE_HEADERS, AcceptedRequest, accept, collect, stream_pieces
 from gptserve.server.protocol import ChatCompletionRequest
-from gptserve.server.runtime import ServerState
 from gptserve.server.streams import Choice
 from gptserve.server.validation import EngineInputs, Validator
 from pydantic import BaseModel
@@ -206,7 +206,7 @@ def _validate(chat: ChatCompletionRequest) -> Callable[[Validator], EngineInputs
 
 @router.post("/v1/messages", response_model=MessageObject, responses=_SSE_RESPONSE)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model)
     state.require_ready()
     chat = await run_in_threadpool(to_chat, body)
     accepted = await accept(state, "chat", _validate(chat), request, ENDPOINT)
@@ -241,7 +241,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     """The tokens of the prompt a message with these fields would read (the chat template's
     rendering of system, messages and tools): its usage.input_tokens."""
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model)
     state.require_ready()
     chat = await run_in_threadpool(to_chat, body, 1)
     inputs = await run_in_threadpool(_validate(chat), state.validator)

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -29,6 +30,7 @@ from gptserve.server.chat.reasoning import split as split_reasoning
 from gptserve.server.embeddings_api import create_embeddings
 from gptserve.server.error_shapes import with_param
 from gptserve.server.errors import APIError
+from gptserve.server.models.routing import request_model
 from gptserve.server.ollama.errors import ollama_error
 from gptserve.server.ollama.request import (
     ChatRequest,
@@ -36,6 +38,7 @@ from gptserve.server.ollama.request import (
     EmbedRequest,
     GenerateRequest,
     ShowRequest,
+    keep_alive_seconds,
     rename_error,
     served_name,
     to_chat,
@@ -60,7 +63,7 @@ from gptserve import __version__
 
 router = APIRouter(tags=["ollama"])
 NDJSON = "application/x-ndjson"
-KEEP_ALIVE = timedelta(minutes=5)  # what /api/ps reports: the model never unloads
+KEEP_ALIVE = timedelta(minutes=5)  # what /api/ps reports on a server of one model (no unload)
 
 
 # ---- the answers' shapes (for the OpenAPI schema; the handlers build plain dicts) -----------
@@ -192,10 +195,34 @@ def _now() -> str:
 def _names(state: ServerState, request: Request) -> list[str]:
     """The served model and the adapters the request's key may use (a fine-tuned model is its
     owner's only, where the state knows owners)."""
+    return [state.loaded.name, *_adapters(state, request)]
+
+
+def _adapters(state: ServerState, request: Request) -> list[str]:
     tenant = request.scope.get(TENANT_SCOPE_KEY)
     may_use = getattr(state, "may_use", None)
-    adapters = [n for n in list(state.lora_names) if may_use is None or may_use(n, tenant)]
-    return [state.loaded.name, *adapters]
+    return [n for n in list(state.lora_names) if may_use is None or may_use(n, tenant)]
+
+
+def _file_facts(source: str) -> dict[str, Any]:
+    """What /api/tags tells of a model that is not loaded: its file's size and time."""
+    path = Path(source)
+    try:
+        size = path.stat().st_size if path.is_file() else sum(
+            f.stat().st_size for f in path.iterdir() if f.is_file()
+        )  # fmt: skip
+        modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+    except OSError:
+        size, modified = 0, datetime.now(timezone.utc)
+    kind = "gguf" if path.suffix == ".gguf" else "safetensors"
+    return {
+        "count": 0,
+        "size": size,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "family": "",
+        "details": {"parent_model": "", "format": kind, "family": "", "families": [],
+                    "parameter_size": "", "quantization_level": ""},
+    }  # fmt: skip
 
 
 def _family(state: ServerState) -> str:
@@ -271,38 +298,61 @@ async def version() -> dict:
 
 @router.get("/api/tags", response_model=TagsResponse, responses=_ERRORS)
 async def tags(request: Request) -> dict:
-    """The served model and its LoRA adapters."""
-    state: ServerState = request.app.state.server
-    state.require_ready()
-    facts = await run_in_threadpool(_model_facts, state)
-    base = state.loaded.name
-    return {"models": [_entry(name, facts, base) for name in _names(state, request)]}
+    """The served models and their LoRA adapters (a model of several not loaded now: what its
+    file tells)."""
+    models = request.app.state.models
+    if not models.many:
+        models.state(None).require_ready()
+    listed = []
+    for spec in models.specs():
+        if spec.error is not None:
+            continue
+        state = models.state(spec.name or None)
+        if state.loaded is not None:
+            facts = await run_in_threadpool(_model_facts, state)
+        else:
+            facts = await run_in_threadpool(_file_facts, spec.source)
+        base = spec.name or state.loaded.name
+        names = [base, *_adapters(state, request)]
+        listed += [_entry(name, facts, base) for name in names]
+    return {"models": listed}
 
 
 @router.get("/api/ps", response_model=PsResponse, responses=_ERRORS)
 async def ps(request: Request) -> dict:
-    """The loaded models: all of them, always (`expires_at` five minutes on, as Ollama's
-    default keep_alive; nothing unloads here)."""
-    state: ServerState = request.app.state.server
-    async_engine = state.require_ready()
-    facts = await run_in_threadpool(_model_facts, state)
-    base, context = state.loaded.name, async_engine.limits.max_model_len
-    expires = (datetime.now(timezone.utc) + KEEP_ALIVE).isoformat().replace("+00:00", "Z")
-    models = [
-        {
-            **_entry(name, facts, base),
-            "expires_at": expires,
-            "size_vram": 0,
-            "context_length": context,
-        }  # fmt: skip
-        for name in _names(state, request)
-    ]
-    return {"models": models}
+    """The loaded models, each with when it unloads if it stays idle (`expires_at`; a server
+    of one model never unloads: five minutes on, as Ollama's default keep_alive)."""
+    models = request.app.state.models
+    if not models.many:
+        models.state(None).require_ready()
+    listed = []
+    for name, state in models.loaded():
+        async_engine = state.async_engine
+        if async_engine is None or state.loaded is None:  # unloaded meanwhile
+            continue
+        facts = await run_in_threadpool(_model_facts, state)
+        base, context = state.loaded.name, async_engine.limits.max_model_len
+        unloads = models.expires_at(name)
+        expires = (
+            datetime.now(timezone.utc) + KEEP_ALIVE
+            if unloads is None
+            else datetime.fromtimestamp(unloads, timezone.utc)
+        )
+        listed += [
+            {
+                **_entry(served, facts, base),
+                "expires_at": expires.isoformat().replace("+00:00", "Z"),
+                "size_vram": 0,
+                "context_length": context,
+            }  # fmt: skip
+            for served in _names(state, request)
+        ]
+    return {"models": listed}
 
 
 @router.post("/api/show", response_model=ShowResponse, responses=_ERRORS)
 async def show(body: ShowRequest, request: Request) -> dict:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model or body.name)
     async_engine = state.require_ready()
     base = state.loaded.name
     name = served_name(body.model or body.name, _names(state, request)) or base
@@ -413,14 +463,15 @@ def _call(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
                          "arguments": value if isinstance(value, dict) else {}}}  # fmt: skip
 
 
-def _loaded(model: str, chat: bool) -> dict[str, Any]:
-    """The answer to an empty chat or prompt: the model is loaded (it always is)."""
+def _loaded(model: str, chat: bool, unload: bool = False) -> dict[str, Any]:
+    """The answer to an empty chat or prompt: the model is loaded (or, with `unload`, unloads
+    once this answer is sent)."""
     out: dict[str, Any] = {"model": model, "created_at": _now()}
     if chat:
         out["message"] = {"role": "assistant", "content": ""}
     else:
         out["response"] = ""
-    return {**out, "done": True, "done_reason": "load"}
+    return {**out, "done": True, "done_reason": "unload" if unload else "load"}
 
 
 async def _run(
@@ -429,13 +480,16 @@ async def _run(
     build: Callable[[str | None, str, bool, int], ChatCompletionRequest | CompletionRequest],
     chat: bool,
 ) -> Response:
-    state: ServerState = request.app.state.server
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    models = request.app.state.models
+    state = await request_model(request, body.model)
     state.require_ready()
     adapter = served_name(body.model, _names(state, request))
     display = body.model or state.loaded.name
+    models.set_keep_alive(body.model, keep_alive)  # 0: it unloads once this answer is sent
     empty = not body.messages if isinstance(body, ChatRequest) else not body.prompt
-    if empty:
-        return JSONResponse(_loaded(display, chat))
+    if empty:  # Ollama's way to load a model, or with keep_alive 0 to unload it
+        return JSONResponse(_loaded(display, chat, unload=models.many and keep_alive == 0))
     thinks = state.validator.reasoning_format is not None
     kind = "chat"
     if isinstance(body, GenerateRequest) and body.raw:
@@ -546,8 +600,9 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     """Ollama's older endpoint: `{"model", "prompt"}` -> `{"embedding": [...]}`."""
     if not body.prompt:  # as Ollama: no text, no vector
-        request.app.state.server.require_ready()
-        served_name(body.model, _names(request.app.state.server, request))
+        state = await request_model(request, body.model)
+        state.require_ready()
+        served_name(body.model, _names(state, request))
         return {"embedding": []}
     req = EmbedRequest(model=body.model, input=body.prompt)
     try:
@@ -560,8 +615,10 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
 
 
 async def _embed(body: EmbedRequest, request: Request) -> dict[str, Any]:
-    state: ServerState = request.app.state.server
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    state = await request_model(request, body.model)
     async_engine = state.require_ready()
+    request.app.state.models.set_keep_alive(body.model, keep_alive)
     started = time.perf_counter()
     adapter = served_name(body.model, _names(state, request))
     limit = async_engine.limits.max_model_len

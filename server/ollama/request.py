@@ -126,6 +126,35 @@ class Tool(_Body):
 Format = Literal["", "json"] | dict[str, Any]
 Think = bool | Literal["high", "medium", "low"]
 KeepAlive = int | float | str
+KEEP_ALIVE_HELP = (
+    'how long the model stays loaded once idle: seconds or a duration ("5m", "1h30m"); 0 '
+    "unloads it after the answer, negative never; on a server of one model it always stays"
+)
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: KeepAlive | None) -> float | None:
+    """A keep_alive in seconds (negative: never unload; None: the server's); a 400 naming
+    keep_alive for what is neither a number nor a duration."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    parts = _DURATION.findall(body)
+    if not body or "".join(n + u for n, u in parts) != body:
+        raise bad_request(
+            f'keep_alive: {value!r} is not a duration (seconds, or e.g. "5m", "1h30m")',
+            "keep_alive",
+        )
+    return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
 
 
 class _Generating(_Body):
@@ -136,7 +165,7 @@ class _Generating(_Body):
     stream: bool | None = Field(None, description="default true: NDJSON, one object a line")
     format: Format | None = Field(None, description='"json" or a JSON schema of the answer')
     options: Options | None = None
-    keep_alive: KeepAlive | None = Field(None, description="accepted; the one model stays loaded")
+    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_HELP)
     think: Think | None = Field(None, description="false: a reasoning model answers unthinking")
     logprobs: bool | None = Field(None, description="not supported: a 400 when true")
     top_logprobs: int | None = Field(None, description="not supported: a 400 above 0")
@@ -173,7 +202,7 @@ class EmbedRequest(_Body):
     )
     dimensions: int | None = Field(None, description="the vectors' dimensions (Matryoshka)")
     options: Options | None = Field(None, description="accepted and ignored")
-    keep_alive: KeepAlive | None = Field(None, description="accepted; the one model stays loaded")
+    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_HELP)
 
 
 class EmbeddingsRequest(_Body):
@@ -182,7 +211,7 @@ class EmbeddingsRequest(_Body):
     model: str | None = Field(None, description="omitted means the served one")
     prompt: str = Field(description="the text to embed (cut to the model's context)")
     options: Options | None = Field(None, description="accepted and ignored")
-    keep_alive: KeepAlive | None = Field(None, description="accepted; the one model stays loaded")
+    keep_alive: KeepAlive | None = Field(None, description=KEEP_ALIVE_HELP)
 
 
 class ShowRequest(_Body):

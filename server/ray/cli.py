@@ -4,6 +4,7 @@ queue depth. Needs the `ray` extra (`pip install -e '.[ray]'`).
     serve run server.ray:app                                  # the bundled model, 1-2 replicas
     serve run server.ray:build_app model=/abs/DIR num_replicas=2
     gptserve ray --model DIR --replicas 2 --port 8000  # starts a local Ray itself
+    gptserve ray --models-dir DIR --replicas 2 --max-models-per-replica 2  # several models
 
 `build_app` takes Ray Serve's application arguments (`key=value` after `serve run`, or `args:`
 in a Serve config file): every `gptserve serve` flag by its name (`model`, `api_key`,
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from gptserve.model.known_models import known_name
 from gptserve.server.cli import bind
 from gptserve.server.logging_setup import setup_logging
-from gptserve.server.ray.deployment import SCALE_FIELDS, ScaleOptions, deployment
+from gptserve.server.ray.deployment import SCALE_FIELDS, ScaleOptions, check_settings, deployment
 from gptserve.server.ray.proxy_middleware import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from gptserve.server.runtime import ModelLoadError, preflight
 from gptserve.server.settings import (
@@ -38,6 +40,7 @@ from gptserve.server.settings import (
     build_parser,
     flag_name,
     settings_from_args,
+    split_named,
 )
 from gptserve.server.tracing import TracingUnavailable, check_tracing
 from ray import serve
@@ -66,6 +69,8 @@ _SCALE_HELP = {
     "health_check_timeout_s": "seconds a health check may take before it counts as failed "
     "(3 failures in a row: the replica is replaced)",
     "metrics_interval": "seconds between copies of a replica's metrics into Ray's",
+    "max_models_per_replica": "with several models: models one replica holds at once (Ray "
+    "evicts its least recently used to load another)",
 }
 
 
@@ -95,9 +100,25 @@ def parse_app_args(args: Mapping[str, Any]) -> tuple[Settings, ScaleOptions]:
         settings = settings_from_args(argv)
     except SystemExit:  # argparse has printed what it could not parse
         raise SettingsError(f"invalid application arguments: {dict(args)}") from None
-    if settings.model_name is None:  # replicas may run elsewhere: the path they get is absolute
-        settings.model = str(Path(settings.model).expanduser().resolve())
+    absolute_paths(check_settings(settings))
     return settings, ScaleOptions(**scale).validate()
+
+
+def absolute_paths(settings: Settings) -> None:
+    """Make the models' paths absolute (replicas may run elsewhere; a known model's name
+    stays): each --model (`NAME=PATH` keeps its name) and --models-dir."""
+
+    def absolute(flag: str) -> str:
+        name, source = split_named(flag)
+        if known_name(source) is None:
+            source = str(Path(source).expanduser().resolve())
+        return source if name is None else f"{name}={source}"
+
+    if settings.model is not None:
+        settings.model = absolute(settings.model)
+    settings.extra_models = [absolute(flag) for flag in settings.extra_models]
+    if settings.models_dir is not None:
+        settings.models_dir = str(Path(settings.models_dir).expanduser().resolve())
 
 
 def _scale_value(key: str, value: Any, hint: Any) -> Any:
@@ -113,7 +134,7 @@ def _scale_value(key: str, value: Any, hint: Any) -> Any:
 def _setting_argv(f: Field, value: Any) -> list[str]:
     """A Settings field's value as `gptserve serve` flags."""
     flag = f"--{flag_name(f)}"
-    if f.default_factory is not MISSING:  # a list: repeated, or comma-separated in one string
+    if f.default_factory is not MISSING or f.name == "model":  # repeated, or comma-separated
         items = value.split(",") if isinstance(value, str) else list(value)
         return [part for item in items if str(item).strip() for part in (flag, str(item).strip())]
     if isinstance(f.default, bool):
@@ -157,8 +178,7 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Settings, ScaleOptions, st
     values = vars(scale)
     address = values.pop("address")
     settings = settings_from_args([*RAY_DEFAULTS, *rest])
-    if settings.model_name is None:
-        settings.model = str(Path(settings.model).expanduser().resolve())
+    absolute_paths(check_settings(settings))
     return settings, ScaleOptions(**values).validate(), address
 
 
@@ -194,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(deployment(settings, options), name=APP_NAME, route_prefix="/")
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        log.info("serving %s on http://%s:%d through Ray Serve", settings.model_path, host,
-                 settings.port)  # fmt: skip
+        served = settings.models_dir or ", ".join(
+            filter(None, [settings.model, *settings.extra_models])
+        )
+        log.info("serving %s on http://%s:%d through Ray Serve", served or settings.model_path,
+                 host, settings.port)  # fmt: skip
         threading.Event().wait()  # until a signal
     except _Stopped:
         log.info("shutting down")

@@ -5,7 +5,14 @@ streaming and playground as `gptserve serve`) with its own engine thread, and na
 an `x-gptserve-replica` response header. A replica is healthy once its model serves: its first
 health check waits for the load, and afterwards every check gives `/health`'s verdict (a failed
 load or a dead engine is a 503), so Ray replaces a replica that stops serving even while its
-process lives on. Each replica's Prometheus registry is copied into Ray's metrics every few
+process lives on.
+
+With several models (`--model A --model B ...`, `--models-dir`) a replica loads the models its
+requests name, at most `max_models_per_replica` at once, through Ray Serve's model multiplexing
+(gptserve.server.ray.multiplex), and Ray routes each model's requests to the replicas that hold
+it. With `--enable-lora-loading` the deployment has a second one, the adapter record
+(gptserve.server.ray.adapter_book), through which an admin's adapter load or unload reaches
+every replica (gptserve.server.ray.adapter_sync). Each replica's Prometheus registry is copied into Ray's metrics every few
 seconds (`MetricsMirror`), tagged with the deployment, replica and application.
 
 `gptserve.server.ray.cli` builds applications from this module (`serve run`, config files, its CLI).
@@ -24,6 +31,10 @@ from typing import Any
 from fastapi import FastAPI
 from gptserve.server.app import create_app
 from gptserve.server.logging_setup import setup_logging
+from gptserve.server.models.registry import ModelRegistry
+from gptserve.server.ray.adapter_book import BOOK_DEPLOYMENT, AdapterBook
+from gptserve.server.ray.adapter_sync import AdapterFanOut, AdapterSync
+from gptserve.server.ray.multiplex import ModelRequests, ReplicaModels
 from gptserve.server.runtime import ServerState
 from gptserve.server.settings import (
     ADMIN_API_KEYS_ENV,
@@ -73,6 +84,7 @@ class ScaleOptions:
     health_check_period_s: float = 10.0  # seconds between Ray's health checks of a replica
     health_check_timeout_s: float = 30.0  # a check that takes longer counts as failed
     metrics_interval: float = 5.0  # seconds between copies of the registry into Ray's metrics
+    max_models_per_replica: int = 3  # with several models: those one replica holds at once
 
     def validate(self) -> ScaleOptions:
         """Raise SettingsError for the first value Ray cannot run with; returns self."""
@@ -82,6 +94,8 @@ class ScaleOptions:
             raise SettingsError("min_replicas must be >= 0 and max_replicas >= 1")
         if self.min_replicas > self.max_replicas:
             raise SettingsError("min_replicas must not be above max_replicas")
+        if self.max_models_per_replica < 1:
+            raise SettingsError("max_models_per_replica must be >= 1")
         for name in ("target_ongoing_requests", "max_ongoing_requests", "look_back_period_s",
                      "load_timeout", "health_check_period_s", "health_check_timeout_s",
                      "metrics_interval"):  # fmt: skip
@@ -127,42 +141,88 @@ def deployment(
 
     `replica_class` replaces `Replica` with a subclass of it (the tests inject faults that way).
     """
-    settings.validate()
+    check_settings(settings.validate())
     options.validate()
 
     def build_asgi_app() -> FastAPI:  # called in each replica, after Replica.__init__
-        return replica_app(settings)
+        return replica_app(settings, options)
 
     ingress = serve.ingress(build_asgi_app)(replica_class or Replica)
-    return serve.deployment(ingress, **options.deployment_options(settings)).bind(options)
+    replicas = serve.deployment(ingress, **options.deployment_options(settings))
+    if not settings.enable_lora_loading:
+        return replicas.bind(options)
+    book = serve.deployment(
+        AdapterBook, name=BOOK_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0},
+    )  # fmt: skip
+    return replicas.bind(options, book.bind())  # deployed with the replicas, deleted with them
+
+
+def check_settings(settings: Settings) -> Settings:
+    """Raise SettingsError for a setting Ray's replicas do not take; returns `settings`."""
+    if settings.serves_many and settings.max_loaded_models is not None:
+        raise SettingsError(
+            "on Ray, --max-models-per-replica sets how many models a replica holds "
+            "(not --max-loaded-models)"
+        )
+    return settings
 
 
 class Replica:
     """The deployment's class; `serve.ingress` puts the app from `replica_app` in front of it."""
 
-    def __init__(self, options: ScaleOptions) -> None:
+    def __init__(self, options: ScaleOptions, adapter_book: Any = None) -> None:
+        # adapter_book: the record's handle, bound so that Serve deploys the record with the
+        # replicas; the app reaches it by name (replica_app)
         self.options = options
         self.loaded = False
-        self.mirror_task: asyncio.Task | None = None  # held: an unreferenced task may be collected
+        # held: an unreferenced task may be collected
+        self.mirror_task: asyncio.Task | None = None
+        self.adapter_task: asyncio.Task | None = None  # with an adapter record: its sync
 
     @property
     def state(self) -> ServerState:
         return self.app.state.server  # `app`: serve.ingress's wrapper provides it
 
+    @property
+    def models(self) -> ModelRegistry:
+        return self.app.state.models
+
     async def check_health(self) -> None:
         """Ray's health check. The first one runs while the replica starts: it waits for the
-        checkpoint to load, so no request is routed to a replica that is still loading."""
-        state = self.state
+        checkpoint to load (with several models: for --preload's), so no request is routed to a
+        replica that is still loading."""
         if not self.loaded:
-            await wait_loaded(state, self.options.load_timeout)
+            await self._start()
             self.loaded = True
-            self.mirror_task = asyncio.create_task(
-                mirror_metrics(MetricsMirror(state.metrics.registry), self.options.metrics_interval)
-            )
-            log.info("replica %s serves %s", replica_id(), state.loaded.name)
-        status, body = state.health()
+        if self.models.many:
+            verdict = many_health(self.models)
+            if verdict is not None:
+                raise RuntimeError(f"unhealthy: {verdict}")
+            return
+        status, body = self.state.health()
         if status != 200:
             raise RuntimeError(f"unhealthy: {json.dumps(body)}")
+
+    async def _start(self) -> None:
+        models, timeout = self.models, self.options.load_timeout
+        replica_models: ReplicaModels = self.app.state.replica_models
+        if models.many:
+            for name in models.settings.preload:  # loading since startup; held in Ray's LRU
+                await asyncio.wait_for(replica_models.hold(name), timeout)
+            served = ", ".join(models.names())
+        else:
+            await wait_loaded(self.state, timeout)
+            served = self.state.loaded.name
+            await replica_models.hold(served)  # requests naming it come here at once
+        registry = models.metrics.registry
+        self.mirror_task = asyncio.create_task(
+            mirror_metrics(MetricsMirror(registry), self.options.metrics_interval)
+        )
+        sync: AdapterSync | None = self.app.state.adapter_sync
+        if sync is not None:
+            self.adapter_task = asyncio.create_task(sync.run())
+        log.info("replica %s serves %s", replica_id(), served)
 
 
 async def wait_loaded(state: ServerState, timeout: float) -> None:
@@ -179,13 +239,25 @@ async def wait_loaded(state: ServerState, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+def many_health(models: ModelRegistry) -> str | None:
+    """Why a replica of several models cannot serve (its registry stopped, a loaded model's
+    engine dead), or None."""
+    if not models.running():
+        return "the model registry has stopped"
+    for name, state in models.loaded():
+        if state.async_engine is not None and state.async_engine.dead:
+            return f"the engine of {name} has stopped: {state.async_engine.dead}"
+    return None
+
+
 def replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
 
-def replica_app(settings: Settings) -> FastAPI:
+def replica_app(settings: Settings, options: ScaleOptions) -> FastAPI:
     """The replica's app: `create_app` with the keys (and admin keys) in this process's
-    environment added, and a header that names the replica on every response."""
+    environment added, its models held in Ray's LRU (ReplicaModels), adapter loads reaching
+    every replica (AdapterFanOut), and a header that names the replica on every response."""
     setup_logging(settings.log_level, settings.log_format)
 
     def with_env(given: list[str], variable: str) -> list[str]:
@@ -195,7 +267,23 @@ def replica_app(settings: Settings) -> FastAPI:
     app = create_app(replace(
         settings, api_keys=with_env(settings.api_keys, API_KEYS_ENV),
         admin_api_keys=with_env(settings.admin_api_keys, ADMIN_API_KEYS_ENV),
+        # Ray's LRU decides what a replica holds: no idle unloads, its maximum the registry's
+        keep_alive=-1 if settings.serves_many else settings.keep_alive,
+        max_loaded_models=options.max_models_per_replica if settings.serves_many else None,
     ))  # fmt: skip
+    registry: ModelRegistry = app.state.models
+    sync = None
+    if settings.enable_lora_loading:
+        context = serve.get_replica_context()
+        book = serve.get_deployment_handle(BOOK_DEPLOYMENT, app_name=context.app_name)
+        sync = AdapterSync(book, registry, replica_id())
+        app.add_middleware(AdapterFanOut, sync=sync)
+    on_loaded = sync.on_loaded if sync is not None else None
+    app.state.replica_models = ReplicaModels(
+        registry, options.max_models_per_replica, on_loaded
+    ).install()
+    app.state.adapter_sync = sync
+    app.add_middleware(ModelRequests)
     app.add_middleware(ReplicaHeader, replica=replica_id())
     return app
 

@@ -7,7 +7,10 @@ sends a plain-text 500, or cuts a stream short). `OpenAIErrors` runs inside the 
 those the API's shape: a JSON error, or, in a stream that had started, one `data: {"error": ...}`
 event followed by `data: [DONE]`.
 
-Ray installs it from the environment of the processes it starts:
+`ModelRouting` (gptserve.server.ray.model_routing) runs there too: it routes each request to a
+replica that has its model.
+
+Ray installs them from the environment of the processes it starts:
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=gptserve.server.ray.proxy_middleware:proxy_middlewares` (set it before
 `ray start` or `serve run`; `gptserve ray` sets it for the Ray it starts).
 """
@@ -18,6 +21,7 @@ import json
 import logging
 
 from gptserve.server.errors import error_body
+from gptserve.server.ray.model_routing import ModelRouting
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,8 +36,9 @@ _REPLICA_LOST = "the replica answering this request stopped; retry"
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """Ray Serve's HTTP proxy callback: the middlewares the proxy puts in front of itself."""
-    return [Middleware(OpenAIErrors)]
+    """Ray Serve's HTTP proxy callback: the middlewares the proxy puts in front of itself (its
+    errors in OpenAI's shape; requests routed by their model, server.ray.model_routing)."""
+    return [Middleware(OpenAIErrors), Middleware(ModelRouting)]
 
 
 class OpenAIErrors:

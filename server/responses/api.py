@@ -21,11 +21,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gptserve.server.errors import APIError, bad_request
+from gptserve.server.models.routing import request_model
 from gptserve.server.openai_api import SSE_HEADERS, AcceptedRequest, accept, collect, stream_pieces
 from gptserve.server.protocol import ERROR_RESPONSES
 from gptserve.server.responses.request import ChatForm, ResponsesRequest, rename_error, to_chat
 from gptserve.server.responses.store import ResponseStore
-from gptserve.server.runtime import ServerState
 from gptserve.server.tenancy import TENANT_SCOPE_KEY
 from gptserve.server.validation import EngineInputs, Validator
 from pydantic import BaseModel
@@ -314,7 +314,7 @@ def _validate(form: ChatForm) -> Callable[[Validator], EngineInputs]:
 
 @router.post("/v1/responses", response_model=ResponseObject, responses=_SSE_RESPONSE)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.server
+    state = await request_model(request, body.model)
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = _store(request).get(_tenant(request), body.previous_response_id)
