@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from gptserve.server.admin import is_admin
 from gptserve.server.chat.reasoning import split as split_reasoning
 from gptserve.server.embeddings_api import create_embeddings
 from gptserve.server.error_shapes import with_param
@@ -53,7 +54,7 @@ from gptserve.server.openai_api import (
     stream_pieces,
 )
 from gptserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from gptserve.server.runtime import ServerState
+from gptserve.server.runtime import LoadedModel, ServerState
 from gptserve.server.tenancy import TENANT_SCOPE_KEY
 from gptserve.server.validation import EngineInputs, Validator
 from pydantic import BaseModel
@@ -225,8 +226,8 @@ def _file_facts(source: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _family(state: ServerState) -> str:
-    path = state.loaded.path
+def _family(loaded: LoadedModel) -> str:
+    path = loaded.path
     config = path / "config.json" if path.is_dir() else None
     if config is not None and config.is_file():
         try:
@@ -235,7 +236,7 @@ def _family(state: ServerState) -> str:
             kind = None
         if isinstance(kind, str) and kind:
             return kind
-    return "llama" if state.loaded.model.config.pos_encoding == "rotary" else "gpt2"
+    return "llama" if loaded.model.config.pos_encoding == "rotary" else "gpt2"
 
 
 def _size_text(count: int) -> str:
@@ -245,27 +246,28 @@ def _size_text(count: int) -> str:
     return str(count)
 
 
-def _quantization(state: ServerState) -> str:
+def _quantization(state: ServerState, loaded: LoadedModel) -> str:
     if state.settings.quantize == "int8":
         return "Q8_0"
-    param = next(state.loaded.model.parameters(), None)
+    param = next(loaded.model.parameters(), None)
     names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
     return names.get(str(param.dtype).removeprefix("torch."), "unknown") if param is not None else "unknown"  # fmt: skip
 
 
-def _model_facts(state: ServerState) -> dict[str, Any]:
-    """Size, parameters, digest and details of the served model (adapters share them)."""
-    model = state.loaded.model
+def _model_facts(state: ServerState, loaded: LoadedModel) -> dict[str, Any]:
+    """Size, parameters, digest and details of the served model (adapters share them); `loaded`
+    is the state's model as the caller saw it (an unload may clear `state.loaded` meanwhile)."""
+    model = loaded.model
     params = list(model.parameters())
     count = sum(p.numel() for p in params)
     size = sum(p.numel() * p.element_size() for p in params)
     size += sum(b.numel() * b.element_size() for b in model.buffers())
-    path = state.loaded.path
+    path = loaded.path
     try:
         modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
     except OSError:
         modified = datetime.now(timezone.utc)
-    family = _family(state)
+    family = _family(loaded)
     return {
         "count": count,
         "size": size,
@@ -277,7 +279,7 @@ def _model_facts(state: ServerState) -> dict[str, Any]:
             "family": family,
             "families": [family],
             "parameter_size": _size_text(count),
-            "quantization_level": _quantization(state),
+            "quantization_level": _quantization(state, loaded),
         },
     }
 
@@ -308,11 +310,12 @@ async def tags(request: Request) -> dict:
         if spec.error is not None:
             continue
         state = models.state(spec.name or None)
-        if state.loaded is not None:
-            facts = await run_in_threadpool(_model_facts, state)
+        loaded = state.loaded  # once: an unload may clear it meanwhile
+        if loaded is not None:
+            facts = await run_in_threadpool(_model_facts, state, loaded)
         else:
             facts = await run_in_threadpool(_file_facts, spec.source)
-        base = spec.name or state.loaded.name
+        base = spec.name or loaded.name
         names = [base, *_adapters(state, request)]
         listed += [_entry(name, facts, base) for name in names]
     return {"models": listed}
@@ -327,11 +330,11 @@ async def ps(request: Request) -> dict:
         models.state(None).require_ready()
     listed = []
     for name, state in models.loaded():
-        async_engine = state.async_engine
-        if async_engine is None or state.loaded is None:  # unloaded meanwhile
+        async_engine, loaded = state.async_engine, state.loaded
+        if async_engine is None or loaded is None:  # unloaded meanwhile
             continue
-        facts = await run_in_threadpool(_model_facts, state)
-        base, context = state.loaded.name, async_engine.limits.max_model_len
+        facts = await run_in_threadpool(_model_facts, state, loaded)
+        base, context = loaded.name, async_engine.limits.max_model_len
         unloads = models.expires_at(name)
         expires = (
             datetime.now(timezone.utc) + KEEP_ALIVE
@@ -354,12 +357,13 @@ async def ps(request: Request) -> dict:
 async def show(body: ShowRequest, request: Request) -> dict:
     state = await request_model(request, body.model or body.name)
     async_engine = state.require_ready()
-    base = state.loaded.name
+    loaded = state.loaded  # the request's lease keeps it loaded
+    base = loaded.name
     name = served_name(body.model or body.name, _names(state, request)) or base
-    facts = await run_in_threadpool(_model_facts, state)
-    config = state.loaded.model.config
+    facts = await run_in_threadpool(_model_facts, state, loaded)
+    config = loaded.model.config
     family, context = facts["family"], async_engine.limits.max_model_len
-    template = state.loaded.template
+    template = loaded.template
     capabilities = ["completion"]
     if template.knows_tools:
         capabilities.append("tools")
@@ -474,13 +478,23 @@ def _loaded(model: str, chat: bool, unload: bool = False) -> dict[str, Any]:
     return {**out, "done": True, "done_reason": "unload" if unload else "load"}
 
 
+def _allowed_keep_alive(request: Request, seconds: float | None) -> float | None:
+    """A request's keep_alive as this key may set it: unloading a model sooner than the server's
+    --keep-alive (0: at once) is an operator's action, so a key without the admin scope may keep
+    a model longer, not shorter (its shorter value becomes the server's)."""
+    default = request.app.state.models.settings.keep_alive
+    if seconds is None or seconds < 0 or is_admin(request):
+        return seconds
+    return None if default < 0 else max(seconds, default)
+
+
 async def _run(
     request: Request,
     body: ChatRequest | GenerateRequest,
     build: Callable[[str | None, str, bool, int], ChatCompletionRequest | CompletionRequest],
     chat: bool,
 ) -> Response:
-    keep_alive = keep_alive_seconds(body.keep_alive)
+    keep_alive = _allowed_keep_alive(request, keep_alive_seconds(body.keep_alive))
     models = request.app.state.models
     state = await request_model(request, body.model)
     state.require_ready()
@@ -615,7 +629,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
 
 
 async def _embed(body: EmbedRequest, request: Request) -> dict[str, Any]:
-    keep_alive = keep_alive_seconds(body.keep_alive)
+    keep_alive = _allowed_keep_alive(request, keep_alive_seconds(body.keep_alive))
     state = await request_model(request, body.model)
     async_engine = state.require_ready()
     request.app.state.models.set_keep_alive(body.model, keep_alive)

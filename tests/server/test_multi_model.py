@@ -205,6 +205,22 @@ def test_ollama_keep_alive_zero_unloads_after_the_answer(folder: Path) -> None:
         assert not loaded_flags(live.url)["beta"]
 
 
+def test_only_an_admin_key_unloads_with_keep_alive_zero(folder: Path) -> None:
+    """Unloading a model other keys use is an operator's action: a plain key's keep_alive 0 (or
+    anything shorter than --keep-alive) becomes the server's; an admin key's unloads."""
+    ollama = pytest.importorskip("ollama")
+    with multi(folder, "--api-key", "plain", "--admin-api-key", "boss") as live:
+        plain = ollama.Client(host=live.url, headers={"Authorization": "Bearer plain"})
+        boss = ollama.Client(host=live.url, headers={"Authorization": "Bearer boss"})
+        for keep_alive in (0, "1s"):
+            plain.generate(model="beta", prompt="hi", keep_alive=keep_alive,
+                           options={"num_predict": 2})  # fmt: skip
+        time.sleep(2.5)
+        assert [m.model for m in plain.ps().models] == ["beta"]
+        boss.generate(model="beta", prompt="hi", keep_alive=0, options={"num_predict": 2})
+        assert wait_until(lambda: not boss.ps().models, timeout=10)
+
+
 def test_a_request_during_an_unload_waits_for_the_reload(folder: Path) -> None:
     settings = settings_from_args(
         ["--model", str(folder / "alpha"), "--model", str(folder / "beta")], env={}
