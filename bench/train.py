@@ -97,15 +97,16 @@ def baseline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     return step, hf.config._attn_implementation
 
 
-def timed(step, batches, device: torch.device) -> float:
+def timed(step, batches, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) for one pass over `batches`."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for x, y in batches:
         step(x, y)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def side_worker(kind: str, tuned: bool, args: argparse.Namespace, dtype_name: str, conn) -> None:
@@ -117,7 +118,11 @@ def side_worker(kind: str, tuned: bool, args: argparse.Namespace, dtype_name: st
     device, dtype = torch.device(args.device), getattr(torch, dtype_name)
     cfg = model_config()
     batches = make_batches(args.steps, args.batch_size, cfg.block_size, cfg.vocab_size, device)
-    if kind == "ours":
+    if kind == "ours-mkl":  # the head's products on PyTorch's default (MKL), as before oneDNN
+        from gptserve.model import dense_matmul
+
+        dense_matmul.available = lambda: False
+    if kind.startswith("ours"):
         step, info = ours(cfg, device, dtype, args.compile)
     else:
         step, info = baseline(cfg, device, dtype)
@@ -134,7 +139,7 @@ def model_config() -> ModelConfig:
 
 
 def run_sides(sides: dict[str, tuple[str, bool]], args: argparse.Namespace, dtype_name: str):
-    """{name: (kind, tuned)} -> ({name: [seconds per round]}, {name: info}, threads)."""
+    """{name: (kind, tuned)} -> ({name: [(wall, CPU) seconds per round]}, {name: info}, threads)."""
     ctx = mp.get_context("spawn")
     procs, conns, infos = {}, {}, {}
     threads = 0
@@ -148,7 +153,7 @@ def run_sides(sides: dict[str, tuple[str, bool]], args: argparse.Namespace, dtyp
             child.close()  # the worker holds the only child end: its exit is an EOF here
             conns[name] = parent
             infos[name], threads = receive(parent, name)  # built and warmed up, one at a time
-        times: dict[str, list[float]] = {name: [] for name in sides}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name in sides:
                 conns[name].send(True)
@@ -184,6 +189,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="torch.compile our side")
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 autocast rows")
+    p.add_argument(
+        "--no-before", action="store_true",
+        help="skip the row of our step with its head's products on MKL (before oneDNN)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,22 +207,27 @@ def main() -> None:
         dtypes.append("bfloat16")
 
     rows: list[tuple[str, float, float]] = []  # (name, tokens/s, vs plain baseline)
-    rounds: dict[str, list[float]] = {}  # seconds per step, each round
+    rounds: dict[str, list[tuple[float, float]]] = {}  # (wall, CPU) seconds a step, each round
     n_params, threads = 0, 0
     for dtype_name in dtypes:
         tag = "fp32" if dtype_name == "float32" else "bf16 autocast"
         sides = {f"ours ({tag})": ("ours", cpu), f"HF baseline ({tag})": ("hf", False)}
         if cpu:
             sides[f"HF baseline, glibc tuned as ours ({tag})"] = ("hf", True)
+            if dtype_name == "float32" and not args.no_before:
+                sides[f"ours, head on MKL as before ({tag})"] = ("ours-mkl", True)
         times, infos, threads = run_sides(sides, args, dtype_name)
         n_params = infos[f"ours ({tag})"]
-        tok_s = {n: tokens_per_step * args.steps / statistics.median(t) for n, t in times.items()}
+        tok_s = {
+            n: tokens_per_step * args.steps / statistics.median(w for w, _ in t)
+            for n, t in times.items()
+        }
         ref = tok_s[f"HF baseline ({tag})"]
         attn = infos[f"HF baseline ({tag})"]
         for name, value in tok_s.items():
             label = name.replace("HF baseline", f"HF (attn={attn})")
             rows.append((label, value, value / ref))
-            rounds[label] = [t / args.steps for t in times[name]]
+            rounds[label] = [(w / args.steps, c / args.steps) for w, c in times[name]]
 
     # nanoGPT's estimate: 6N per token for the matmuls plus attention's 12 * L * C * T.
     flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
@@ -233,9 +247,15 @@ def main() -> None:
         if peak:
             line += f"  {100 * value * flops_per_token / (peak * 1e12):4.1f}%"
         print(line)
-    print("\nseconds per step in each round (the machine's noise is the spread):")
+    print("\nseconds per step in each round, wall / CPU (the machine's noise is the spread;")
+    print("CPU seconds, all threads of the side's process, move less when the box is shared):")
     for name, values in rounds.items():
-        print(f"  {name:50s} " + " ".join(f"{v:.2f}" for v in values))
+        cpu_median = statistics.median(c for _, c in values)
+        print(
+            f"  {name:50s} "
+            + " ".join(f"{w:.2f}/{c:.2f}" for w, c in values)
+            + f"   CPU median {cpu_median:.2f}"
+        )
 
 
 if __name__ == "__main__":
