@@ -32,6 +32,7 @@ from gptserve.engine.sequence import SEQUENCE_ERROR, TokenEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Deliver = Callable[[TokenEvent], None]  # called on the request's event loop, per event
 
 
 class EngineDeadError(RuntimeError):
@@ -74,7 +75,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._inbox: list[Callable[[], None]] = []
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Deliver, int]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: str | None = None  # why the engine thread stopped, if it did
@@ -138,15 +139,8 @@ class AsyncEngine:
         admitted: the server admitted it (`engine.limits`) and the engine takes it unchecked;
         else the engine checks it, and should it refuse it every completion gets one error event.
         """
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        if self.unhealthy:
-            raise EngineUnhealthyError(self.unhealthy)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue, params.n)
-        with self._lock:  # += and -= from two threads would lose updates
-            self.pending_adds += 1
-        self._post(lambda: self._add(request_id, prompt_ids, params, admitted))
+        self.submit(request_id, prompt_ids, params, queue.put_nowait, admitted)
         remaining = params.n
         try:
             while remaining:
@@ -155,9 +149,35 @@ class AsyncEngine:
                     remaining -= 1
                 yield event
         finally:
-            self._streams.pop(request_id, None)
-            if remaining:
-                self.abort(request_id)
+            self.release(request_id, aborted=remaining > 0)
+
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, deliver: Deliver,
+        admitted: bool = False,
+    ) -> None:  # fmt: skip
+        """Queue a request whose events `deliver` gets, one call per event, on the running event
+        loop (the one calling this), until each of its n completions has had its last event
+        (`TokenEvent.finished`); then, or to give up on it earlier, call `release`.
+
+        The way `generate` and the server's streams take events without a task of their own in
+        between: a step's events for one loop reach it in one wake-up. `admitted` as `generate`'s.
+        Raises EngineDeadError (or EngineUnhealthyError) when the engine takes no more work.
+        """
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if self.unhealthy:
+            raise EngineUnhealthyError(self.unhealthy)
+        self._streams[request_id] = (asyncio.get_running_loop(), deliver, params.n)
+        with self._lock:  # += and -= from two threads would lose updates
+            self.pending_adds += 1
+        self._post(lambda: self._add(request_id, prompt_ids, params, admitted))
+
+    def release(self, request_id: str, aborted: bool) -> None:
+        """A submitted request's events are no longer wanted; `aborted`: some of its completions
+        have not ended, and the engine frees their sequences before its next step."""
+        self._streams.pop(request_id, None)
+        if aborted:
+            self.abort(request_id)
 
     async def run_on_engine(self, work: Callable[[Engine], T], timeout: float = 60.0) -> T:
         """`work(engine)` run on the engine thread between two steps (so nothing else changes
@@ -301,14 +321,32 @@ class AsyncEngine:
                 *guesses)  # fmt: skip
 
     def _deliver(self, events: list[TokenEvent]) -> None:
+        """Hand events to their requests' event loops: one wake-up a loop for all of them (a
+        wake-up costs the loop more than handing an event over, and it takes the GIL from this
+        thread while the next step runs)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Deliver, TokenEvent]]] = {}
         for event in events:
             target = self._streams.get(event.request_id)
             if target is not None:
-                loop, queue, _ = target
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
-                except RuntimeError:  # the loop closed under us (shutdown)
-                    pass
+                loop, deliver, _ = target
+                batch = batches.get(loop)
+                if batch is None:
+                    batches[loop] = batch = []
+                batch.append((deliver, event))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_hand_over, batch)
+            except RuntimeError:  # the loop closed under us (shutdown)
+                pass
+
+
+def _hand_over(batch: list[tuple[Deliver, TokenEvent]]) -> None:
+    """On the event loop: each event to its request (a failing receiver fails only its own)."""
+    for deliver, event in batch:
+        try:
+            deliver(event)
+        except Exception:
+            log.exception("handing an event of %s over failed", event.request_id)
 
 
 def _errors(request_id: str, n: int, message: str) -> list[TokenEvent]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -29,7 +29,7 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
 
-_DONE, _TIMEOUT, _GONE = object(), object(), object()
+_TIMEOUT, _GONE = object(), object()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -57,48 +57,53 @@ async def merged_events(
 
     Raises RequestTimeout past the deadline and ClientGone when `watch` disconnects; leaving early
     in any way (including being closed or cancelled) aborts the engine requests still running.
+
+    The engine hands each prompt's events straight to this request's queue (`AsyncEngine.submit`):
+    a token costs the event loop one wake-up and one hand-over, whatever the number of prompts.
     """
     queue: asyncio.Queue = asyncio.Queue()
+    n = params.n
+    remaining: list[int] = []  # per submitted prompt: its completions not yet ended
 
-    async def pump(p: int, ids: list[int]) -> None:
-        try:
-            # admitted by server.validation: the engine takes it unchecked
-            async for event in async_engine.generate(engine_id(request_id, p), ids, params, True):
-                queue.put_nowait((p * params.n + event.index, event))
-        except Exception as exc:  # EngineDeadError, or a check that failed late
-            queue.put_nowait((p, exc))
-        finally:
-            queue.put_nowait((p, _DONE))
+    def deliverer(prompt: int) -> Callable[[TokenEvent], None]:
+        first, put = prompt * n, queue.put_nowait
+
+        def deliver(event: TokenEvent) -> None:
+            put((first + event.index, event))
+
+        return deliver
 
     async def on_disconnect() -> None:
         await _wait_disconnect(watch)
         queue.put_nowait((-1, _GONE))
 
-    tasks = [asyncio.create_task(pump(p, ids)) for p, ids in enumerate(prompts)]
-    if watch is not None:
-        tasks.append(asyncio.create_task(on_disconnect()))
+    watcher = asyncio.create_task(on_disconnect()) if watch is not None else None
     timer = asyncio.get_running_loop().call_later(timeout, queue.put_nowait, (-1, _TIMEOUT))
     bind_engine_request(request_id)  # the engine thread's lines about it carry its request id
     try:
-        remaining = len(prompts)
-        while remaining:
+        for p, ids in enumerate(prompts):
+            # admitted by server.validation: the engine takes it unchecked
+            async_engine.submit(engine_id(request_id, p), ids, params, deliverer(p), True)
+            remaining.append(n)
+        running = len(prompts) * n
+        while running:
             index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif item is _TIMEOUT:
+            if item is _TIMEOUT:
                 raise RequestTimeout()
-            elif item is _GONE:
+            if item is _GONE:
                 raise ClientGone()
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
+            if item.finished:
+                remaining[index // n] -= 1
+                running -= 1
+            yield index, item
     finally:
         unbind_engine_request(request_id)
         timer.cancel()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for p, left in enumerate(remaining):
+            async_engine.release(engine_id(request_id, p), aborted=left > 0)
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
 def prompt_offsets(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
