@@ -348,7 +348,7 @@ async def ps(request: Request) -> dict:
                 "size_vram": 0,
                 "context_length": context,
             }  # fmt: skip
-            for served in _names(state, request)
+            for served in [base, *_adapters(state, request)]
         ]
     return {"models": listed}
 
