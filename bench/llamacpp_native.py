@@ -34,7 +34,9 @@ class NativeBuild:
         return str(self.bin_dir / name)
 
     def describe(self) -> str:
-        return f"native llama.cpp build ({self.bin_dir.parent.parent.resolve().name})"
+        # build/: for this host (-DGGML_NATIVE=ON); build-avx2/: for AVX2 hosts (LLAMACPP_ISA=avx2)
+        flavour = "AVX2 build" if self.bin_dir.parent.name.endswith("avx2") else "native build"
+        return f"llama.cpp, {flavour} ({self.bin_dir.parent.name})"
 
 
 def find_native() -> NativeBuild | None:

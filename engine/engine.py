@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ from gptserve.engine.limits import EngineLimits, RequestLimits
 from gptserve.engine.proposers import make_speculator
 from gptserve.engine.runner import ModelRunner
 from gptserve.engine.sampler import SampleOutput, SampleRow, SamplingParams, prompt_logprobs, sample
-from gptserve.engine.scheduler import Scheduler
+from gptserve.engine.scheduler import TENANT_STEP_PREFILL, Scheduler
 from gptserve.engine.sequence import (
     GRAMMAR_ERROR,
     SEQUENCE_ERROR,
@@ -56,6 +57,9 @@ STEP_FAILED = "the engine failed while running this request's batch; the server 
 class EngineConfig:
     max_num_seqs: int = 32  # sequences decoding together
     max_batch_tokens: int = 512  # tokens per step (prefill chunk size bound)
+    # with API keys, a step's prompt chunks cost at most this many tokens at a prompt's start,
+    # fewer deep into it (engine.scheduler); 0: no bound but max_batch_tokens
+    tenant_step_tokens: int = TENANT_STEP_PREFILL
     kv_block_size: int = 16  # tokens per KV cache block (page)
     # None: kv_cache_tokens (None: max_num_seqs full contexts) within kv_cache_bytes
     num_blocks: int | None = None
@@ -128,7 +132,9 @@ class Engine:
             prefix_caching=config.prefix_caching,
             window=max(windows) if None not in windows else None,  # all windowed: release
         )  # fmt: skip
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batch_tokens)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_batch_tokens, config.tenant_step_tokens
+        )
         self.runner = ModelRunner(self.model, self.pools, lora)
         self.adapters = None if lora is None else AdapterSlots(lora)
         if draft_model is not None and draft_model.config.tokenizer != model.config.tokenizer:
@@ -240,6 +246,7 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Run one batched forward and return the events it produced."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule(self._propose())
         if plan.preempted:  # counted for the server's /metrics, and logged
             self.num_preemptions += len(plan.preempted)
@@ -257,7 +264,9 @@ class Engine:
             step = self.blocks.prepare([(s.seq.seq_id, s.num_tokens) for s in plan.scheduled])
             # (len(plan.logits_positions), V), and (len(plan.hidden_positions), C) or None
             logits, hidden = self.runner.run_step(plan, step)
-            return self._update(plan, logits, hidden)
+            events = self._update(plan, logits, hidden)
+            self.scheduler.record_step(time.perf_counter() - start)  # paces tenants' turns
+            return events
         except Exception as exc:  # a failed step fails only its own requests
             self.num_failed_steps += 1
             log.exception("engine step failed: %s", exc)

@@ -18,9 +18,17 @@ cannot hold another's first token:
 - running prompts are prefilled shortest first, and while a tenant with nothing running waits,
   they leave it at least NEWCOMER_SHARE of the step's token budget;
 - while another tenant's sequences decode (or wait for their first token), the other tenants'
-  prompts take at most SHARED_STEP_PREFILL tokens between them, one step in PROMPT_TURN_EVERY,
-  so their chunks do not stretch the decodes' time per token. One tenant alone (or no API keys)
+  prompts take at most SHARED_STEP_PREFILL tokens between them in a step, and only as often as
+  the time they add allows: the engine reports each step's seconds (`record_step`), and a step
+  with such a chunk runs up a debt of its time beyond a decode step's, which the decode-only
+  steps after it pay back at (STREAM_SLOWDOWN - 1) times their own time. The decodes' time per
+  token so stays within about STREAM_SLOWDOWN times their own, however costly the chunks are
+  (a chunk deep into a long prompt attends to all of it). One tenant alone (or no API keys)
   keeps the whole budget.
+- with API keys (any tenant set), a step's prompt chunks are bounded by their cost, not only
+  their count: `tenant_step_tokens` tokens' worth, a token deep into its prompt counting as
+  1 + position / KEYS_PER_TOKEN_COST (it attends to every key before it). A step already
+  running cannot be cut short, so this bounds how long another key's first token waits for it.
 """
 
 from __future__ import annotations
@@ -41,24 +49,45 @@ NEWCOMER_SHARE = 0.5  # of a step's token budget, kept for a waiting tenant with
 # rows cost about what one does, so the decodes keep their pace (bench/fairness.py) and the
 # prompt, computed at about the rate of a large chunk, still moves
 SHARED_STEP_PREFILL = 8
-PROMPT_TURN_EVERY = 3  # ... and only one step in this many
+# ... in steps spaced so that the decodes' time per token stays within this many times its own
+STREAM_SLOWDOWN = 1.5
+# with API keys, a step's prompt chunks cost at most this many prompt tokens at the start of a
+# prompt by default (about 0.1 s for the default model on 2 cores), fewer deeper in (a token
+# counting 1 + its position / KEYS_PER_TOKEN_COST): docs/BENCHMARKS.md, "Fair admission"
+TENANT_STEP_PREFILL = 128
+# the default model on a CPU: a token 7000 keys deep costs about 4x its products, so 2048 would
+# cost steps truly; each step also copies its prompts' keys once, so chunks sized by 4096 keep a
+# lone key's 8000-token prompt near its speed without keys (steps of at most about 0.25 s)
+KEYS_PER_TOKEN_COST = 4096
+DECODE_TIME_WEIGHT = 0.2  # of a new decode-only step's seconds in their running average
 
 
 class Scheduler:
     """Plans each step over the KV cache's block bookkeeping, which it owns."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int,
+        tenant_step_tokens: int = TENANT_STEP_PREFILL,
+    ) -> None:  # fmt: skip
+        """tenant_step_tokens: the cost bound of a step's prompt chunks with API keys (0: none,
+        the whole max_batch_tokens as without keys)."""
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError("max_num_seqs and max_batch_tokens must be positive")
+        if tenant_step_tokens < 0:
+            raise ValueError("tenant_step_tokens must be >= 0")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
+        self.tenant_step_tokens = tenant_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._decoding: set[str | None] = set()  # tenants with a sequence decoding this step
         self._newcomers: set[str | None] = set()  # tenants waiting with nothing running
         self._shared_left = SHARED_STEP_PREFILL  # prompt tokens left beside their decodes
-        self._steps = 0  # steps planned: other tenants' prompts take their turn every few
+        # seconds of decode time the last prompt turns still owe; a turn waits until it is paid
+        self._turn_debt = 0.0
+        self._decode_seconds: float | None = None  # a decode-only step's, averaged
+        self._held = False  # the planned step held back another tenant's prompt (debt unpaid)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,7 +115,6 @@ class Scheduler:
         """
         guesses = guesses or {}
         preempted: list[Sequence] = []
-        self._steps += 1
         for seq in self.running:  # blocks out of every layer's window go back first
             self.blocks.release_out_of_window(seq.seq_id)
         while True:
@@ -132,7 +160,8 @@ class Scheduler:
         running = {s.params.tenant for s in self.running}
         self._newcomers = {s.params.tenant for s in self.waiting if s.params.tenant not in running}
         self._decoding = {s.params.tenant for s in self.running if s.pending == 1}
-        self._shared_left = SHARED_STEP_PREFILL
+        self._shared_left, self._held = SHARED_STEP_PREFILL, False
+        self._work_left = float(self.tenant_step_tokens)  # tenants' prompt cost left in the step
         for seq in sorted((s for s in self.running if s.pending > 1), key=_pending):
             n = min(seq.pending, prefill, self._chunk_cap(seq))
             if n > 0:
@@ -140,6 +169,19 @@ class Scheduler:
                 budget, prefill = budget - n, prefill - n
                 self._take_shared(seq, n)
         return work
+
+    def record_step(self, seconds: float) -> None:
+        """The engine's report of how long the step last planned took: a step that gave other
+        tenants' prompts their turn beside decodes adds its time beyond a decode step's to the
+        debt; a step that held them back pays it off at (STREAM_SLOWDOWN - 1) times its time."""
+        if self._shared_left < SHARED_STEP_PREFILL:  # a turn: capped prompt tokens ran
+            self._turn_debt += max(0.0, seconds - (self._decode_seconds or 0.0))
+        elif self._held:
+            self._turn_debt = max(0.0, self._turn_debt - (STREAM_SLOWDOWN - 1) * seconds)
+            last = self._decode_seconds
+            self._decode_seconds = seconds if last is None else (
+                last + DECODE_TIME_WEIGHT * (seconds - last)
+            )  # fmt: skip
 
     def _capped(self, seq: Sequence) -> bool:
         """Whether another tenant's next tokens wait on this step beside `seq`'s prompt."""
@@ -151,14 +193,29 @@ class Scheduler:
     def _chunk_cap(self, seq: Sequence) -> int:
         """The most prompt tokens `seq` may take this step: while another tenant's sequences
         decode, what is left of the step's SHARED_STEP_PREFILL (big chunks would stretch every
-        one of their tokens to the chunk's time), else the budget."""
+        one of their tokens to the chunk's time), else the budget; with API keys, no more than
+        the step's prompt cost left allows."""
+        bounded = seq.params.tenant is not None and self.tenant_step_tokens
+        cap = self._work_cap(seq) if bounded else self.max_batch_tokens
         if not self._capped(seq):
-            return self.max_batch_tokens
-        # their turn comes one step in PROMPT_TURN_EVERY: the steps between decode alone, on the
-        # one-call decode layers (a step with a prompt chunk in it is several times one without)
-        return self._shared_left if self._steps % PROMPT_TURN_EVERY == 0 else 0
+            return cap
+        # their turn comes once the last turns' time is paid off: the steps between decode alone,
+        # on the one-call decode layers (a step with a prompt chunk is several times one without)
+        if self._turn_debt > 0:
+            self._held = True
+            return 0
+        return min(cap, self._shared_left)
+
+    def _work_cap(self, seq: Sequence) -> int:
+        """Prompt tokens of `seq` that the step's tenant_step_tokens cost left pays for, at
+        least one while none has been spent (a prompt always moves)."""
+        cost = 1.0 + seq.num_cached / KEYS_PER_TOKEN_COST  # of each of its next tokens
+        n = int(self._work_left / cost)
+        return max(n, 1) if self._work_left == self.tenant_step_tokens else n
 
     def _take_shared(self, seq: Sequence, n: int) -> None:
+        if seq.params.tenant is not None:
+            self._work_left -= n * (1.0 + seq.num_cached / KEYS_PER_TOKEN_COST)
         if self._capped(seq):
             self._shared_left -= n
 

@@ -208,6 +208,7 @@ class ServerState:
         config = EngineConfig(
             max_num_seqs=settings.max_num_seqs,
             max_batch_tokens=settings.max_batch_tokens,
+            tenant_step_tokens=settings.tenant_step_tokens,
             kv_block_size=settings.block_size,
             kv_cache_bytes=int((settings.kv_cache_gb or 2.0) * (1 << 30)),
             kv_cache_tokens=None if settings.kv_cache_gb else default_kv_tokens(settings, loaded),

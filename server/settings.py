@@ -178,6 +178,11 @@ class Settings:
     max_batch_tokens: int = flag(
         512, "tokens per engine step (prefill chunk bound)", group="engine", low=1
     )
+    tenant_step_tokens: int = flag(
+        128, "with API keys: a step's prompt chunks cost at most this many tokens at a prompt's "
+        "start, fewer deep into it, so another key's request waits at most a short step "
+        "(0: --max-batch-tokens only)", group="engine", low=0,
+    )  # fmt: skip
     block_size: int = flag(16, "tokens per KV cache block", group="engine", low=1)
     kv_cache_gb: float | None = flag(
         None, f"KV cache size (GiB); a request larger than the pool is a 400. Default: "

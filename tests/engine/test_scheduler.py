@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from gptserve.engine.block_manager import BlockManager
 from gptserve.engine.sampler import SamplingParams
@@ -233,29 +235,74 @@ def test_what_fits_goes_ahead_of_what_does_not_but_not_forever():
     assert later in [p.seq for p in plan.scheduled]  # the same step, once big may be passed
 
 
-def test_a_prompt_beside_another_tenants_decodes_takes_small_chunks_in_turn():
-    """While tenant b decodes, tenant a's long prompt takes SHARED_STEP_PREFILL tokens one step
-    in PROMPT_TURN_EVERY, the steps between b's decodes alone; b's own prompt is not held."""
+def paced_steps(scheduler: Scheduler, steps: int, decode_s: float, turn_s: float) -> list[dict]:
+    """Play `steps` steps, reporting each as taking decode_s, or turn_s when another tenant's
+    prompt chunk ran in it (seq_id 1's); each step's {seq_id: tokens}."""
+    played = []
+    for _ in range(steps):
+        plan = scheduler.schedule()
+        tokens = {p.seq.seq_id: p.num_tokens for p in plan.scheduled}
+        play(scheduler.blocks, plan)
+        scheduler.record_step(turn_s if tokens.get(1) else decode_s)
+        played.append(tokens)
+    return played
+
+
+def test_a_prompt_beside_another_tenants_decodes_takes_turns_paced_by_their_time():
+    """While tenant b decodes, tenant a's long prompt takes SHARED_STEP_PREFILL tokens in a step,
+    and its next turn waits until decode-only steps have paid back the time the turn added: b's
+    time per token stays within STREAM_SLOWDOWN times a decode step's, however costly a's chunks
+    are. b's own prompt is not held."""
     from gptserve.engine import scheduler as module
 
     cache = BlockManager(1024, BLOCK)
     scheduler = Scheduler(cache, max_num_seqs=8, max_batch_tokens=64)
     chat = make_seq(0, [5, 6, 7], tenant="b")
     decoding(scheduler, chat)
-    bulk = make_seq(1, list(range(1, 201)), tenant="a")
+    bulk = make_seq(1, list(range(1, 401)), tenant="a")
     scheduler.add(bulk)
-    steps = []
-    for _ in range(2 * module.PROMPT_TURN_EVERY):
-        plan = scheduler.schedule()
-        steps.append({p.seq.seq_id: p.num_tokens for p in plan.scheduled})
-        play(cache, plan)
-    assert all(step[0] == 1 for step in steps)  # b decodes every step
-    chunks = [step.get(1, 0) for step in steps]
-    assert (
-        sorted(chunks)
-        == [0] * (2 * module.PROMPT_TURN_EVERY - 2) + [module.SHARED_STEP_PREFILL] * 2
-    )
+    decode_s = 0.005
+    for turn_s in [0.045, 0.006]:
+        # the decode-only steps that pay off a turn's time beyond a decode step's
+        gap = math.ceil((turn_s - decode_s) / ((module.STREAM_SLOWDOWN - 1) * decode_s) - 1e-9)
+        steps = paced_steps(scheduler, 4 * (gap + 1), decode_s, turn_s)
+        assert all(step[0] == 1 for step in steps)  # b decodes every step
+        turns = [i for i, step in enumerate(steps) if step.get(1)]
+        assert all(steps[i][1] == module.SHARED_STEP_PREFILL for i in turns)
+        gaps = [b - a - 1 for a, b in zip(turns, turns[1:])]
+        # (the very first turn, before any decode-only step was timed, owes its whole time)
+        assert len(gaps) >= 2 and gaps[1:] == [gap] * (len(gaps) - 1)
+        seconds = sum(turn_s if step.get(1) else decode_s for step in steps[turns[0] :])
+        assert seconds / len(steps[turns[0] :]) <= module.STREAM_SLOWDOWN * decode_s + 1e-9
     own = make_seq(2, list(range(1, 201)), tenant="b")  # the decoding tenant's own prompt
     scheduler.add(own)
     plan = scheduler.schedule()
     assert {p.seq.seq_id: p.num_tokens for p in plan.scheduled}[2] > module.SHARED_STEP_PREFILL
+
+
+def test_with_api_keys_a_steps_prompt_chunks_are_bounded_by_their_cost():
+    """A lone tenant's prompt takes TENANT_STEP_PREFILL tokens a step at its start and fewer deep
+    into it (each token attends to every key before it), so a step that another key's request
+    arrives during ends soon; without keys (no tenant) the whole budget, as before."""
+    from gptserve.engine import scheduler as module
+
+    n, unit, most = 4 * module.KEYS_PER_TOKEN_COST, module.KEYS_PER_TOKEN_COST, 1024
+    for tenant in ["a", None]:
+        cache = BlockManager(n // BLOCK + 8, BLOCK)
+        scheduler = Scheduler(cache, max_num_seqs=8, max_batch_tokens=1024)
+        seq = make_seq(0, list(range(1, n + 1)), tenant=tenant)
+        scheduler.add(seq)
+        chunks = []
+        while seq.pending > 1:
+            plan = scheduler.schedule()
+            chunks.append((seq.num_cached, plan.scheduled[0].num_tokens))
+            play(cache, plan)
+        for start, tokens in chunks[:-1]:  # (the last takes what is left)
+            if tenant is None:
+                assert tokens == most
+            else:
+                assert tokens == int(module.TENANT_STEP_PREFILL / (1 + start / unit))
+        if tenant is not None:  # 128 tokens a step at the start, 32 at three units deep
+            assert chunks[0] == (0, module.TENANT_STEP_PREFILL)
+            assert min(t for _, t in chunks[:-1]) <= module.TENANT_STEP_PREFILL // 4
+        assert sum(t for _, t in chunks) == n  # the whole prompt, nothing lost

@@ -39,6 +39,26 @@ def test_matches_reference_and_never_reads_garbage(case, page_size, grouped, dty
     assert rel_error(out, ref) < TOLERANCE[dtype]
 
 
+def test_a_group_copies_only_its_own_longest_context(dtype, monkeypatch):
+    """A short prompt beside a long one is gathered and attended at its own length (a deep
+    prompt's chunk must not make every other sequence of the step attend to its depth); groups
+    of two or three sequences, sized by what their copy takes, still match the reference."""
+    block_bytes = 2 * 16 * 3 * 40 * dtype.itemsize  # K + V of one 16-slot block
+    monkeypatch.setattr(sdpa_paged, "GROUP_BYTES", 20 * block_bytes)
+    case = dict(ctx_lens=[300, 12, 30, 40, 290], q_lens=[8, 12, 30, 1, 5])
+    args = paged_batch(**case, page_size=16, n_head=3, head_dim=40, dtype=dtype, device="cpu")
+    meta = args[3]
+    plan = sdpa_paged.plan_gather(meta, 16, 3, 40, dtype.itemsize)
+    assert [(g.first, g.last, g.n_keys) for g in plan.groups] == [
+        (0, 1, 304), (1, 4, 48), (4, 5, 304),
+    ]  # fmt: skip
+    assert plan.groups[1].mask.shape == (3, 1, 30, 48)  # its own longest query and context
+    out = paged_attention_sdpa(*args, plan=plan)
+    ref = paged_attention_reference(*args)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
 def test_layers_of_one_step_share_a_plan_and_the_next_step_gets_its_own():
     q, k_cache, v_cache, meta = paged_batch(
         **CASES["mixed"], page_size=5, n_head=2, head_dim=8, dtype=torch.float32, device="cpu"
