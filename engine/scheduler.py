@@ -57,7 +57,7 @@ STREAM_SLOWDOWN = 1.5
 TENANT_STEP_PREFILL = 128
 # the default model on a CPU: a token 7000 keys deep costs about 4x its products, so 2048 would
 # cost steps truly; each step also copies its prompts' keys once, so chunks sized by 4096 keep a
-# lone key's 8000-token prompt near its speed without keys (steps of at most about 0.25 s)
+# lone key's 8000-token prompt near its speed without keys (steps of at most about 0.3 s)
 KEYS_PER_TOKEN_COST = 4096
 DECODE_TIME_WEIGHT = 0.2  # of a new decode-only step's seconds in their running average
 
@@ -88,6 +88,7 @@ class Scheduler:
         self._turn_debt = 0.0
         self._decode_seconds: float | None = None  # a decode-only step's, averaged
         self._held = False  # the planned step held back another tenant's prompt (debt unpaid)
+        self._work_left = float(tenant_step_tokens)  # tenants' prompt cost left in the step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -209,13 +210,12 @@ class Scheduler:
     def _work_cap(self, seq: Sequence) -> int:
         """Prompt tokens of `seq` that the step's tenant_step_tokens cost left pays for, at
         least one while none has been spent (a prompt always moves)."""
-        cost = 1.0 + seq.num_cached / KEYS_PER_TOKEN_COST  # of each of its next tokens
-        n = int(self._work_left / cost)
+        n = int(self._work_left / _token_cost(seq))
         return max(n, 1) if self._work_left == self.tenant_step_tokens else n
 
     def _take_shared(self, seq: Sequence, n: int) -> None:
         if seq.params.tenant is not None:
-            self._work_left -= n * (1.0 + seq.num_cached / KEYS_PER_TOKEN_COST)
+            self._work_left -= n * _token_cost(seq)
         if self._capped(seq):
             self._shared_left -= n
 
@@ -287,6 +287,12 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
+
+
+def _token_cost(seq: Sequence) -> float:
+    """What each of `seq`'s next prompt tokens costs, in tokens at a prompt's start: it attends
+    to every key before it."""
+    return 1.0 + seq.num_cached / KEYS_PER_TOKEN_COST
 
 
 def _lora_slot(seq: Sequence) -> int:

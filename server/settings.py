@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gptserve.engine.pooling import POOLING_MODES
+from gptserve.engine.scheduler import TENANT_STEP_PREFILL
 from gptserve.model import SHAKESPEARE_DIR
 from gptserve.model.known_models import cache_dir, cached_path, known_name
 from gptserve.server.chat.reasoning import PARSER_NAMES as REASONING_PARSERS
@@ -179,7 +180,7 @@ class Settings:
         512, "tokens per engine step (prefill chunk bound)", group="engine", low=1
     )
     tenant_step_tokens: int = flag(
-        128, "with API keys: a step's prompt chunks cost at most this many tokens at a prompt's "
+        TENANT_STEP_PREFILL, "with API keys: a step's prompt chunks cost at most this many tokens at a prompt's "
         "start, fewer deep into it, so another key's request waits at most a short step "
         "(0: --max-batch-tokens only)", group="engine", low=0,
     )  # fmt: skip
