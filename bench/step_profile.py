@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="none")
     p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--int8-activations", action="store_true",
+                   help="as `gptserve serve --int8-activations`")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *DTYPES),
                    help="as `gptserve serve --kv-cache-dtype`")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=64)
@@ -82,7 +84,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print_host()
     path = resolve_model(args.model)
-    loaded = load_for_inference(path, device="cpu", dtype=args.dtype, quantization=args.quantize)
+    loaded = load_for_inference(
+        path, device="cpu", dtype=args.dtype, quantization=args.quantize,
+        int8_activations=args.int8_activations,
+    )  # fmt: skip
     model = loaded.model
     total = args.prompt_len + 3 * args.steps + 16
     config = EngineConfig(
@@ -110,7 +115,8 @@ def main() -> None:
     op_time = sum(e.self_cpu_time_total for e in ops) * per_step
     calls = sum(e.count for e in ops) / args.steps
 
-    print(f"\n{path.name}: {loaded.quantization}, {loaded.dtype}, {args.streams} stream(s), "
+    rows = ", 8-bit rows" if args.int8_activations else ""
+    print(f"\n{path.name}: {loaded.quantization}{rows}, {loaded.dtype}, {args.streams} stream(s), "
           f"{torch.get_num_threads()} threads; decode step {plain * 1e3:.2f} ms "
           f"({args.streams / plain:.1f} tok/s), {profiled * 1e3:.2f} ms under the profiler")  # fmt: skip
     print(f"{'operation':40}{'ms/step':>9}{'share':>7}{'calls/step':>11}{'us/call':>9}")

@@ -29,7 +29,7 @@ from gptserve.model.cpu.malloc_tuning import release_freed_memory, retain_freed_
 from gptserve.model.cpu.onednn_linear import keep_rows_alike
 from gptserve.model.dtypes import DTYPES
 from gptserve.model.gpt import GPT
-from gptserve.model.int4_linear import int4_supported
+from gptserve.model.int4_linear import int4_supported, use_int8_activations
 from gptserve.model.quantize import (
     QuantizeError,
     check_quantization,
@@ -81,7 +81,7 @@ def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.dev
 
 def check_load(
     device: str = "auto", dtype: str = "auto", quantization: str = "none",
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, int8_activations: bool = False,
 ) -> tuple[torch.device, torch.dtype]:  # fmt: skip
     """The checks that need no loading: the device, the dtype, and the quantization with both.
     Returns the resolved device and dtype; raises ModelLoadError."""
@@ -94,6 +94,12 @@ def check_load(
         raise ModelLoadError(
             "--batch-invariant holds on a CPU in float32 or bfloat16 (with or without "
             f"--quantize int8), not on {resolved.type} in {str(torch_dtype).removeprefix('torch.')}"
+        )
+    if int8_activations and (resolved.type != "cpu" or quantization != "none"):
+        where = f"--quantize {quantization}" if quantization != "none" else resolved.type
+        raise ModelLoadError(
+            "--int8-activations takes a GGUF file's int4 products at their own bits on a CPU, "
+            f"not {where}"
         )
     return resolved, torch_dtype
 
@@ -129,21 +135,31 @@ def load_for_inference(
     quantization: str = "none",
     draft_path: str | Path | None = None,
     batch_invariant: bool = False,
+    int8_activations: bool = False,
 ) -> InferenceModel:
     """Load a checkpoint (ours, a Hugging Face directory or a GGUF file) ready to serve; raises
     ModelLoadError with a one-line message.
 
     `batch_invariant`: the model's products compute a row alike whatever the row count (int8
     keeps its int8 kernel), the part of batch invariance that is the model's; the engine's
-    `EngineConfig.batch_invariant` is the attention's part.
+    `EngineConfig.batch_invariant` is the attention's part. `int8_activations`: a GGUF file's int4
+    products (Q4_0, Q4_1, Q4_K, Q8_0) take their input rows rounded to 8 bits per block of 32, as
+    llama.cpp's do (`model.int4_linear`): faster, no longer the float32 oracle's answers.
     """
     path = Path(path)
-    resolved, torch_dtype = check_load(device, dtype, quantization, batch_invariant)
+    resolved, torch_dtype = check_load(
+        device, dtype, quantization, batch_invariant, int8_activations
+    )
     retain_freed_memory()  # process-wide; before the weights are allocated
     try:
         model = quantize(_load(path, resolved, torch_dtype, quantization), quantization)
         if batch_invariant:
             keep_int8_kernel(model)
+        if int8_activations and not use_int8_activations(model):
+            raise ModelLoadError(
+                "--int8-activations needs int4 products: a GGUF file's Q4_0, Q4_1, Q4_K or Q8_0 "
+                "matrices at their own bits, on a CPU where the compiled kernels build"
+            )
         size = weight_bytes(model)
         model = optimize_for_cpu(model, batch_invariant=batch_invariant)
         if batch_invariant:

@@ -18,6 +18,13 @@ Two kernels multiply it, chosen once when the layer is built:
   bfloat16 (a relative 2^-9, far below a 4-bit step). It stays ahead of a float32 product at
   every batch size measured, so prefill uses it too.
 
+`Int4Linear.use_int8_activations()` (`--int8-activations`, opt-in) moves a compiled layer to
+`int4_q8_matmul` (kernels/cpu/int4_q8_matmul.cpp): the weights times the rows rounded to 8 bits per
+block of 32, the codes multiplied byte by byte, as llama.cpp multiplies its Q4 matrices. That takes a
+quarter of the float32 kernel's instructions a row, which is what bounds batches on AVX2 hosts;
+the answers then depart from the float32 oracle by the rows' rounding (docs/BENCHMARKS.md
+measures how far). Its codes lie as (tiles, width / 8, TILE, 4) bytes (`q8_layout`).
+
 Either way the matrix takes its 4 bits a weight and a sixth more (a scale and a zero point a group
 in 16 bits each: float16 for the compiled kernel where that is exact, as for GGUF's Q4_0, Q4_1
 and Q8_0, float32 where not, as for Q4_K; bfloat16 for PyTorch's). Inference only: the buffers
@@ -81,6 +88,7 @@ class Int4Linear(nn.Module):
         if self.compiled and self.op_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the compiled int4 kernel takes float32 or bfloat16, not {op_dtype}")
         self.out_dtype: torch.dtype | None = None  # None: `dtype`
+        self.int8_activations = False  # `use_int8_activations`
         if self.compiled:
             self.pad = 0
             tiled = pack_tiles(groups)
@@ -108,7 +116,8 @@ class Int4Linear(nn.Module):
         if self.compiled:
             # float32 out unless the caller takes bfloat16 and no bias is added first
             direct = want if want == torch.bfloat16 and self.bias is None else torch.float32
-            y = _compiled_matmul()(
+            matmul = _compiled_q8_matmul() if self.int8_activations else _compiled_matmul()
+            y = matmul(
                 rows,
                 buffers["weight"],
                 buffers["scales_and_zeros"],
@@ -123,6 +132,16 @@ class Int4Linear(nn.Module):
         if y.dtype != want:
             y = y.to(want)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def use_int8_activations(self) -> None:
+        """Multiply from now on with the rows rounded to 8 bits per block of 32
+        (`int4_q8_matmul`), the codes moved to its layout in place; compiled layers only."""
+        if not self.compiled:
+            raise ValueError("8-bit activations need the compiled int4 kernel")
+        if not self.int8_activations:
+            self.weight = q8_layout(self._buffers["weight"])
+            self.int8_activations = True
 
     def _torch_product(self, rows: torch.Tensor, buffers: dict) -> torch.Tensor:
         """(M, in) in op_dtype -> (M, out) through PyTorch's kernel."""
@@ -139,10 +158,21 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         copies = f" x{self.input_copies}" if self.input_copies > 1 else ""
         kernel = "compiled" if self.compiled else "PyTorch's"
+        if self.int8_activations:
+            kernel += ", 8-bit rows"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4 groups of {GROUP}{copies}, {kernel} kernel"
         )
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Move every compiled `Int4Linear` of `model` to 8-bit rows (`Int4Linear.use_int8_activations`),
+    in place; returns how many."""
+    layers = [m for m in model.modules() if type(m) is Int4Linear and m.compiled]
+    for layer in layers:
+        layer.use_int8_activations()
+    return len(layers)
 
 
 def _pack(codes: np.ndarray, pad: int) -> torch.Tensor:
@@ -166,6 +196,23 @@ def _compiled_matmul() -> Any | None:
     if ops is None or ops.int4_lanes() < 2:
         return None
     return ops.int4_matmul
+
+
+@functools.cache
+def _compiled_q8_matmul() -> Any | None:
+    """The compiled `int4_q8_matmul`, where `_compiled_matmul` is."""
+    return None if _compiled_matmul() is None else native_ops().int4_q8_matmul
+
+
+def q8_layout(tiled: torch.Tensor) -> torch.Tensor:
+    """`pack_tiles`' codes (tiles, width / 2, TILE) -> `int4_q8_matmul`'s (tiles, width / 8, TILE,
+    4) uint8: for each 8 inputs, byte b of a column holds the codes of input b (low nibble) and
+    b + 4 (high)."""
+    tiles, half, _ = tiled.shape
+    codes = torch.stack([tiled & 15, tiled >> 4], dim=2).view(tiles, half * 2, TILE)  # (T, W, 32)
+    eights = codes.view(tiles, half // 4, 2, 4, TILE)  # (T, W / 8, first or last 4, 4, 32)
+    packed = eights[:, :, 0] | (eights[:, :, 1] << 4)  # (T, W / 8, 4, 32)
+    return packed.transpose(2, 3).contiguous()  # (T, W / 8, 32, 4)
 
 
 def pack_tiles(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,8 +83,9 @@ def preflight(settings: Settings) -> None:
         if not Path(root).is_dir():
             raise ModelLoadError(f"--lora-root: no directory {root}")
     _, dtype = check_load(
-        settings.device, settings.dtype, settings.quantize, settings.batch_invariant
-    )
+        settings.device, settings.dtype, settings.quantize, settings.batch_invariant,
+        settings.int8_activations,
+    )  # fmt: skip
     try:
         cache_dtype(dtype, DTYPES.get(settings.kv_cache_dtype))
     except ValueError as exc:
@@ -101,7 +102,7 @@ def load_model(settings: Settings) -> LoadedModel:
     loaded = load_for_inference(
         path, device=settings.device, dtype=settings.dtype,
         quantization=settings.quantize, draft_path=settings.draft_model,
-        batch_invariant=settings.batch_invariant,
+        batch_invariant=settings.batch_invariant, int8_activations=settings.int8_activations,
     )  # fmt: skip
     try:
         override = Path(settings.chat_template) if settings.chat_template else None

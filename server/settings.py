@@ -143,6 +143,12 @@ class Settings:
         "float",
         choices=("none", "int8", "dequantize"),
     )  # fmt: skip
+    int8_activations: bool = flag(
+        False, "a GGUF file's int4 products (Q4_0, Q4_1, Q4_K, Q8_0 matrices) round their input "
+        "rows to 8 bits per block of 32 and multiply bytes, as llama.cpp does: about 2x faster "
+        "products on AVX2 CPUs, but the answers are no longer the float32 oracle's "
+        "(docs/BENCHMARKS.md measures how far); CPU only", group="engine",
+    )  # fmt: skip
     log_level: str = flag(
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )

@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "row_blocks.h"
 #include "vec_f32.h"
 
 #include <algorithm>
@@ -125,21 +126,6 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, int64_t ldsum,
       vstore(y + ((u / kVecs) * R + r) * kTile + (u % kVecs) * kLanes, out[r][u]);
 }
 
-// each row's sums over its groups of 32 inputs, in a fixed order: (M, K) -> (M, K / 32)
-std::vector<float> group_sums(const float* x, int64_t rows, int64_t width) {
-  const int64_t groups = width / kGroup;
-  std::vector<float> sums(rows * groups);
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    const float* g = x + i * kGroup;
-    float lanes[8] = {0.f};
-    for (int64_t k = 0; k < kGroup; k += 8)
-      for (int l = 0; l < 8; ++l) lanes[l] += g[k + l];
-    sums[i] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-              ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-  }
-  return sums;
-}
-
 template <typename T>
 void store_tile(const float* y, int64_t rows, int64_t cols, T* out, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
@@ -218,7 +204,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "n does not match the tiles");
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // (M, K)
   const float* xp = xf.data_ptr<float>();
-  const std::vector<float> sums = group_sums(xp, rows, width);  // (M, K / 32)
+  const std::vector<float> sums = row_blocks::block_sums(xp, rows, width);  // (M, K / 32)
   at::Tensor out = at::empty({rows, n}, x.options().dtype(out_dtype));
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   if (table.scalar_type() == at::kHalf)

@@ -29,9 +29,10 @@ using layer_calls::attend;
 using layer_calls::Bias;
 using layer_calls::tiled_product;
 
-// how a product's matrix is held: int4 groups in tiles (int4_matmul.cpp) or float32 tiles
-// (f32_matmul.cpp); the codes match model/cpu/llama_layer.py
-enum Kind : int64_t { kInt4 = 0, kFloatTiles = 1 };
+// how a product's matrix is held: int4 groups in tiles (int4_matmul.cpp), float32 tiles
+// (f32_matmul.cpp) or int4 groups multiplied with 8-bit rows (int4_q8_matmul.cpp); the codes
+// match model/cpu/llama_layer.py
+enum Kind : int64_t { kInt4 = 0, kFloatTiles = 1, kInt4Rows8 = 2 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static const auto op =
@@ -52,12 +53,16 @@ at::Tensor silu_mul(const at::Tensor& h) {
 // group) as the layer's module holds them; the bias added as Int4Linear adds it (bias + y)
 at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
                    const at::Tensor& table, const Bias& bias, int64_t n, int64_t copies) {
-  if (kind == kInt4) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("gptserve_cpu::int4_matmul", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                              int64_t, at::ScalarType)>();
+  if (kind == kInt4 || kind == kInt4Rows8) {
+    using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 int64_t, int64_t, at::ScalarType);
+    static const auto float_rows = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("gptserve_cpu::int4_matmul", "")
+                                       .typed<Signature>();
+    static const auto byte_rows = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("gptserve_cpu::int4_q8_matmul", "")
+                                      .typed<Signature>();
+    const auto& op = kind == kInt4 ? float_rows : byte_rows;
     at::Tensor y = op.call(x, weight, table, n, copies, at::kFloat);
     return bias.has_value() ? at::add(*bias, y) : y;
   }

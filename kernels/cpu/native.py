@@ -11,6 +11,8 @@ These take one call each:
   written in the dtype of the product that follows (`model.cpu.optimize`);
 - `int4_matmul` (int4_matmul.cpp): products with int4 weights in groups of 32, a GGUF file's
   Q4_0, Q4_1, Q4_K and Q8_0 matrices (`model.int4_linear`);
+- `int4_q8_matmul` (int4_q8_matmul.cpp): the same int4 matrices times rows rounded to 8 bits
+  per block of 32, as llama.cpp multiplies them (`--int8-activations`, opt-in);
 - `kquant_matmul` and `kquant_dequantize` (kquant_matmul.cpp): products with a GGUF file's Q5_K
   and Q6_K blocks as the file stores them, and their weights in float32 (`model.kquant_linear`);
 - `f32_matmul` (f32_matmul.cpp): float32 products of a few rows, the matrix read as tiles of 32
@@ -61,6 +63,7 @@ SOURCES = [
         "paged_decode.cpp",
         "row_ops.cpp",
         "int4_matmul.cpp",
+        "int4_q8_matmul.cpp",
         "f32_matmul.cpp",
         "q8_matmul.cpp",
         "logit_stats.cpp",
@@ -72,7 +75,7 @@ SOURCES = [
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("vec_math.h", "vec_f32.h", "layer_calls.h", "lora_update.h")
+    for name in ("vec_math.h", "vec_f32.h", "layer_calls.h", "lora_update.h", "row_blocks.h")
 ]
 # OpenMP: at::parallel_for's threads are torch's. -fno-trapping-math lets loops with a clamp or
 # a select (fast_exp's) vectorize without AVX-512's masks; it changes no value computed, only

@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "row_blocks.h"
 #include "vec_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -73,29 +74,7 @@ inline IVec dot_add(IVec acc, IVec x_abs, IVec x, IVec w) {
 #define Q8_UNROLL Q8_PRAGMA(GCC unroll 2)
 #endif
 
-// `blocks` blocks of 32 floats quantized each on its own: xq (blocks * 32) int8, d (blocks)
-// float32 (rows of K inputs are K / 32 blocks each)
-void quantize_blocks(const float* x, int64_t blocks, int8_t* xq, float* d) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    bool nan = false;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      amax = std::max(amax, std::fabs(xb[i]));
-      nan |= xb[i] != xb[i];
-    }
-    // a NaN makes the block's scale NaN (the outputs then are, as a float product's would be);
-    // a block of values below 1e-30 counts as zeros (1 / scale would overflow)
-    const bool zero = nan || !(amax >= 1e-30f);
-    const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : (zero ? 0.f : amax / 127.f);
-    const float inverse = zero ? 0.f : 1.f / scale;
-    d[b] = scale;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const float v = xb[i] * inverse;  // within [-127, 127]
-      xq[b * kBlock + i] = static_cast<int8_t>(v >= 0.f ? v + 0.5f : v - 0.5f);
-    }
-  }
-}
+using row_blocks::quantize_blocks;
 
 // one quantized row (xq, d) times one tile (K / 4, 32, 4) -> 32 sums
 void tile_row(const int8_t* xq, const float* d, const int8_t* w, int64_t width, float* out) {

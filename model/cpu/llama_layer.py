@@ -32,7 +32,7 @@ from gptserve.model.int4_linear import Int4Linear
 
 __all__ = ["FusedLlamaBlock", "install_llama_layers"]
 
-INT4, FLOAT_TILES = 0, 1  # the kernel's product kinds (llama_layer.cpp's `Kind`)
+INT4, FLOAT_TILES, INT4_ROWS8 = 0, 1, 2  # the kernel's product kinds (llama_layer.cpp's `Kind`)
 ANY_ROWS = 1 << 30  # int4 products take any number of rows
 
 
@@ -41,7 +41,7 @@ def product_kind(product: nn.Module) -> int | None:
     if type(product) is Int4Linear:
         float_out = (product.out_dtype or product.dtype) == torch.float32
         if product.compiled and product.op_dtype == torch.float32 and float_out:
-            return INT4
+            return INT4_ROWS8 if product.int8_activations else INT4
         return None
     if type(product) is FewRowsLinear and product.activation == 0:
         return FLOAT_TILES

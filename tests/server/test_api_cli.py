@@ -65,6 +65,15 @@ def test_a_kv_cache_wider_than_the_model_is_one_line_exit_2_before_loading() -> 
     assert out.stderr.startswith("error: --kv-cache-dtype float32 does not go with a bfloat16")
 
 
+def test_int8_activations_without_int4_products_is_one_line_exit_2() -> None:
+    out = run_cli("--model", "shakespeare", "--quantize", "int8", "--int8-activations")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "--int8-activations takes a GGUF file's int4 products" in out.stderr
+    out = run_cli("--model", "shakespeare", "--int8-activations", "--port", str(free_port()))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --int8-activations needs int4")
+
+
 def test_unloadable_checkpoint_exit_2(tmp_path: Path) -> None:
     """The checkpoint fails while loading, after the port is bound: the server stops and the
     process ends with one `error:` line naming the file, and status 2."""

@@ -1,5 +1,5 @@
 """A Llama-family layer's decode step as one compiled call (`model.cpu.llama_layer`): installed
-where a layer fits (int4 products as a GGUF file's, or float32 tiles), the Engine's tokens and
+where a layer fits (int4 products as a GGUF file's, with float32 or 8-bit rows, or float32 tiles), the Engine's tokens and
 logprobs the Python path's to the bit, with and without LoRA adapter rows in the step, and every
 step it does not suit left to that path."""
 
@@ -10,10 +10,10 @@ from gptserve.model import GPT
 from gptserve.model.config import ModelConfig
 from gptserve.model.cpu import optimize_for_cpu
 from gptserve.model.cpu.few_rows_linear import LAYER_FEW_ROWS, compiled_tiles
-from gptserve.model.cpu.llama_layer import FusedLlamaBlock
+from gptserve.model.cpu.llama_layer import INT4_ROWS8, FusedLlamaBlock
 from gptserve.model.gguf.blocks import Int4Groups
 from gptserve.model.gpt import Block
-from gptserve.model.int4_linear import Int4Linear
+from gptserve.model.int4_linear import Int4Linear, use_int8_activations
 
 from tests.model.cpu.engine_runs import decode_together, with_adapters
 
@@ -34,8 +34,9 @@ def _int4(linear: torch.nn.Linear, bias: bool = False) -> Int4Linear:
 
 
 def _llama(
-    int4: bool, qkv_bias: bool = False, qk_norm: bool = False, window: int | None = None
-) -> GPT:
+    int4: bool, qkv_bias: bool = False, qk_norm: bool = False, window: int | None = None,
+    rows8: bool = False,
+) -> GPT:  # fmt: skip
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4, n_embd=64,
                          n_kv_head=2, intermediate_size=96, bias=False, qkv_bias=qkv_bias,
@@ -49,17 +50,24 @@ def _llama(
             attn, mlp = block.attn, block.mlp
             attn.c_attn, attn.c_proj = _int4(attn.c_attn, qkv_bias), _int4(attn.c_proj)
             mlp.c_fc, mlp.c_proj = _int4(mlp.c_fc), _int4(mlp.c_proj)
+    if rows8:  # --int8-activations
+        assert use_int8_activations(model) == 4 * config.n_layer
     return optimize_for_cpu(model, threads=2)
 
 
 @pytest.mark.parametrize(
-    "int4, qkv_bias, window",
-    [(True, False, None), (True, True, None), (False, False, None), (True, False, 6)],
-    ids=["int4", "int4-qkv-bias", "float32-tiles", "int4-window-6"],
+    "int4, qkv_bias, window, rows8",
+    [(True, False, None, False), (True, True, None, False), (False, False, None, False),
+     (True, False, 6, False), (True, True, None, True)],
+    ids=["int4", "int4-qkv-bias", "float32-tiles", "int4-window-6", "int4-8-bit-rows"],
 )  # fmt: skip
 @pytest.mark.parametrize("n_seq", [1, 3, LAYER_FEW_ROWS + 2])  # the last: more than few rows
-def test_the_engine_decodes_the_python_paths_bits(monkeypatch, int4, qkv_bias, window, n_seq):
-    model = _llama(int4, qkv_bias, window=window)
+def test_the_engine_decodes_the_python_paths_bits(
+    monkeypatch, int4, qkv_bias, window, rows8, n_seq
+):
+    model = _llama(int4, qkv_bias, window=window, rows8=rows8)
+    if rows8:
+        assert model.transformer.h[0].kinds == [INT4_ROWS8] * 4
     assert all(type(b) is FusedLlamaBlock for b in model.transformer.h)
     calls = []
     op = model.transformer.h[0].op

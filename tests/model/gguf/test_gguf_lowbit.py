@@ -21,7 +21,7 @@ from gptserve.model.gguf.blocks import int4_groups, q8_0_split_groups
 from gptserve.model.gguf.checkpoint import RawTensor
 from gptserve.model.gguf.quantized import StackedLinear, linear_module
 from gptserve.model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
-from gptserve.model.int4_linear import Int4Linear
+from gptserve.model.int4_linear import Int4Linear, use_int8_activations
 from gptserve.model.known_models import fetch_known_model
 from gptserve.model.kquant_linear import KQuantLinear, kquant_compiled
 from gptserve.model.quantize import Int8Linear, is_quantized, keep_int8_kernel, quantize_rows
@@ -246,6 +246,35 @@ def test_the_loader_keeps_a_gguf_files_bits_unless_asked(tmp_path: Path) -> None
         assert (floats.model(idx) - load_checkpoint(path)(idx)).abs().max() < 1e-4
 
 
+@pytest.mark.skipif(native_ops() is None, reason="no compiled CPU kernels")
+def test_the_loader_rounds_int4_products_rows_to_8_bits_when_asked(tmp_path: Path) -> None:
+    from gptserve.engine.loader import ModelLoadError, load_for_inference
+
+    path = tmp_path / "llama-q4.gguf"
+    write_gguf(path, "llama", "Q4_1")
+    own = load_for_inference(path, device="cpu", dtype="float32")
+    rows8 = load_for_inference(path, device="cpu", dtype="float32", int8_activations=True)
+    layers = [m for m in rows8.model.modules() if type(m) is Int4Linear]
+    assert layers and all(m.int8_activations for m in layers)
+    assert not any(m.int8_activations for m in own.model.modules() if type(m) is Int4Linear)
+    idx = torch.randint(0, 260, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = own.model(idx), rows8.model(idx)
+    gap = (got - want).abs().max().item()
+    assert 0 < gap < 0.05 * want.abs().max().item()  # the rows' rounding, no more
+    for quantization in ("dequantize", "int8"):  # no int4 products left to take 8-bit rows
+        with pytest.raises(
+            ModelLoadError, match=f"own bits on a CPU, not --quantize {quantization}"
+        ):
+            load_for_inference(path, device="cpu", quantization=quantization,
+                               int8_activations=True)  # fmt: skip
+    floats = tmp_path / "llama-f32.gguf"
+    write_gguf(floats, "llama", "F32")
+    with pytest.raises(ModelLoadError, match="--int8-activations needs int4") as info:
+        load_for_inference(floats, device="cpu", int8_activations=True)
+    assert "\n" not in str(info.value)
+
+
 def test_own_bits_elsewhere_than_a_cpu_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "llama-q4.gguf"
     write_gguf(path, "llama", "Q4_0")
@@ -287,6 +316,30 @@ def test_smollm2_at_its_bits_agrees_with_its_float_weights(smollm2: Path) -> Non
     assert agreement >= 0.985
     assert gaps.max().item() <= 0.05  # each disagreement a near-tie of the float model's
     assert abs(loss - float_loss) <= 0.01 * float_loss
+
+
+@pytest.mark.skipif(native_ops() is None, reason="no compiled CPU kernels")
+def test_smollm2_with_8_bit_rows_stays_near_its_float_weights(smollm2: Path) -> None:
+    """--int8-activations: the rows' rounding moves some near-ties and the loss a little (the
+    measure in full: bench/int8_activations.py, docs/BENCHMARKS.md)."""
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:20000]
+    ids = torch.tensor([load_tokenizer("gguf", smollm2).encode(text)[:513]])
+    idx, targets = ids[:, :-1], ids[0, 1:]  # 512 positions
+    with torch.no_grad():
+        want = load_checkpoint(smollm2)(idx)[0]
+        model = load_checkpoint(smollm2, low_bit=True)
+        assert use_int8_activations(model) == 4 * model.config.n_layer  # qkv, o, gate-up, down
+        served = optimize_for_cpu(model)
+        keep_int8_kernel(served)
+        got = served(idx)[0]
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    loss = torch.nn.functional.cross_entropy(got, targets).item()
+    float_loss = torch.nn.functional.cross_entropy(want, targets).item()
+    print(f"8-bit rows: top-1 agreement {agreement:.4f}, loss {loss:.4f} (float {float_loss:.4f})")
+    # 97.9 % and the loss 0.07 % above the float model's (llama.cpp's own answers on the same
+    # file: bench/int8_activations.py); only near-ties move
+    assert 0.96 <= agreement < 1
+    assert abs(loss - float_loss) <= 0.005 * float_loss
 
 
 @pytest.mark.skipif(not kquant_compiled(), reason="int8 rows without the compiled kernels")
