@@ -30,10 +30,10 @@ import torch.nn.functional as F
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from gptserve.engine.engine import Engine, EngineConfig  # noqa: E402
+from gptserve.engine.loader import int8_activations_on  # noqa: E402
 from gptserve.engine.sampler import SamplingParams  # noqa: E402
 from gptserve.model import load_checkpoint  # noqa: E402
 from gptserve.model.cpu import optimize_for_cpu  # noqa: E402
-from gptserve.model.int4_linear import use_int8_activations  # noqa: E402
 from gptserve.model.known_models import resolve_model  # noqa: E402
 from gptserve.model.quantize import keep_int8_kernel  # noqa: E402
 from gptserve.model.tokenizers import load_tokenizer  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> None:
     served = {}
     for label, rows8 in (("own bits, float32 rows", False), ("own bits, 8-bit rows", True)):
         model = load_checkpoint(path, low_bit=True).eval()
-        if rows8 and not use_int8_activations(model):
+        if rows8 and not int8_activations_on(model):
             sys.exit(f"{path.name} has no int4 products for 8-bit rows")
         served[label] = optimize_for_cpu(model)
         keep_int8_kernel(served[label])  # the int8 head's kernel at every row count, as decoding

@@ -28,6 +28,7 @@ from gptserve.model.cpu import optimize_for_cpu
 from gptserve.model.cpu.malloc_tuning import release_freed_memory, retain_freed_memory
 from gptserve.model.cpu.onednn_linear import keep_rows_alike
 from gptserve.model.dtypes import DTYPES
+from gptserve.model.gguf.quantized import split_head_for_8_bit_rows
 from gptserve.model.gpt import GPT
 from gptserve.model.int4_linear import int4_supported, use_int8_activations
 from gptserve.model.quantize import (
@@ -118,6 +119,14 @@ def _load(path: Path, device: torch.device, dtype: torch.dtype, quantization: st
     return load_checkpoint(path, device=device, dtype=dtype, low_bit=low_bit)
 
 
+def int8_activations_on(model: GPT) -> int:
+    """`--int8-activations` on a loaded model, in place: a refined Q8_0 head as int4 groups
+    (`split_head_for_8_bit_rows`), then every compiled int4 product with 8-bit rows. Returns how
+    many products take them (0: none could)."""
+    split_head_for_8_bit_rows(model)
+    return use_int8_activations(model)
+
+
 def prepare_for_inference(model: GPT, quantization: str = "none") -> GPT:
     """Quantize a loaded model, then give it the CPU wing's layouts (on a CPU); in place.
 
@@ -155,7 +164,7 @@ def load_for_inference(
         model = quantize(_load(path, resolved, torch_dtype, quantization), quantization)
         if batch_invariant:
             keep_int8_kernel(model)
-        if int8_activations and not use_int8_activations(model):
+        if int8_activations and not int8_activations_on(model):
             raise ModelLoadError(
                 "--int8-activations needs int4 products: a GGUF file's Q4_0, Q4_1, Q4_K or Q8_0 "
                 "matrices at their own bits, on a CPU where the compiled kernels build"

@@ -198,6 +198,11 @@ def _compiled_matmul() -> Any | None:
     return ops.int4_matmul
 
 
+def int4_compiled() -> bool:
+    """Whether the compiled int4 kernels serve here (`_compiled_matmul`)."""
+    return _compiled_matmul() is not None
+
+
 @functools.cache
 def _compiled_q8_matmul() -> Any | None:
     """The compiled `int4_q8_matmul`, where `_compiled_matmul` is."""

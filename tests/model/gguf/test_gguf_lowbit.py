@@ -21,7 +21,7 @@ from gptserve.model.gguf.blocks import int4_groups, q8_0_split_groups
 from gptserve.model.gguf.checkpoint import RawTensor
 from gptserve.model.gguf.quantized import StackedLinear, linear_module
 from gptserve.model.gguf.rows import FileRows, RefinedHead, RowsEmbedding
-from gptserve.model.int4_linear import Int4Linear, use_int8_activations
+from gptserve.model.int4_linear import Int4Linear
 from gptserve.model.known_models import fetch_known_model
 from gptserve.model.kquant_linear import KQuantLinear, kquant_compiled
 from gptserve.model.quantize import Int8Linear, is_quantized, keep_int8_kernel, quantize_rows
@@ -328,7 +328,10 @@ def test_smollm2_with_8_bit_rows_stays_near_its_float_weights(smollm2: Path) -> 
     with torch.no_grad():
         want = load_checkpoint(smollm2)(idx)[0]
         model = load_checkpoint(smollm2, low_bit=True)
-        assert use_int8_activations(model) == 4 * model.config.n_layer  # qkv, o, gate-up, down
+        from gptserve.engine.loader import int8_activations_on
+
+        assert int8_activations_on(model) == 4 * model.config.n_layer + 1  # qkv, o, gate-up, down
+        assert type(model.lm_head.fast) is Int4Linear  # the Q8_0 head, as two int4 groups
         served = optimize_for_cpu(model)
         keep_int8_kernel(served)
         got = served(idx)[0]
