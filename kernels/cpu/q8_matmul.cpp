@@ -76,21 +76,6 @@ inline IVec dot_add(IVec acc, IVec x_abs, IVec x, IVec w) {
 
 using row_blocks::quantize_blocks;
 
-// the scalar tile_row: a column at a time
-[[maybe_unused]] void tile_row_scalar(const int8_t* xq, const float* d, const int8_t* w,
-                                      int64_t width, float* out) {
-  for (int64_t j = 0; j < kTile; ++j) {
-    float acc = 0.f;
-    for (int64_t k0 = 0; k0 < width; k0 += kBlock) {
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k0 + kBlock; ++k)
-        sum += int32_t(w[((k / kQuad) * kTile + j) * kQuad + k % kQuad]) * xq[k];
-      acc = __builtin_fmaf(static_cast<float>(sum), d[k0 / kBlock], acc);
-    }
-    out[j] = acc;
-  }
-}
-
 // one quantized row (xq, d) times one tile (K / 4, 32, 4) -> 32 sums
 void tile_row(const int8_t* xq, const float* d, const int8_t* w, int64_t width, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -116,51 +101,18 @@ void tile_row(const int8_t* xq, const float* d, const int8_t* w, int64_t width, 
   }
   for (int u = 0; u < kVecs; ++u) _mm256_storeu_ps(out + u * kLanes, acc[u]);
 #else  // any other CPU: a column at a time, the same sums
-  tile_row_scalar(xq, d, w, width, out);
-#endif
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// two quantized rows (xq, d: ldq bytes and ldd scales apart) times one tile -> (2, 32) sums, each
-// row's the same as tile_row's to the bit; each weight vector loaded once for both rows
-void tile_row_pair(const int8_t* xq, int64_t ldq, const float* d, int64_t ldd, const int8_t* w,
-                   int64_t width, float* out) {
-  for (int r = 0; r < 2; ++r)
-    for (int u = 0; u < kVecs; ++u) _mm256_storeu_ps(out + r * kTile + u * kLanes, fzero());
-  for (int64_t k0 = 0; k0 < width; k0 += kBlock) {
-    IVec sums[2][kVecs];
-    for (int r = 0; r < 2; ++r)
-      for (int u = 0; u < kVecs; ++u) sums[r][u] = izero();
-    const int8_t* wb = w + k0 * kTile;
-    __builtin_prefetch(wb + 8 * kBlock * kTile);
-    __builtin_prefetch(wb + 8 * kBlock * kTile + 64);
-    Q8_UNROLL
-    for (int64_t q = 0; q < kBlock / kQuad; ++q) {
-      IVec x[2], x_abs[2];
-      for (int r = 0; r < 2; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, xq + r * ldq + k0 + q * kQuad, sizeof(quad));
-        x[r] = _mm256_set1_epi32(quad);
-        x_abs[r] = _mm256_abs_epi8(x[r]);
-      }
-      for (int u = 0; u < kVecs; ++u) {
-        const IVec wv = load(wb + (q * kTile + u * kLanes) * kQuad);
-        for (int r = 0; r < 2; ++r) sums[r][u] = dot_add(sums[r][u], x_abs[r], x[r], wv);
-      }
+  for (int64_t j = 0; j < kTile; ++j) {
+    float acc = 0.f;
+    for (int64_t k0 = 0; k0 < width; k0 += kBlock) {
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k0 + kBlock; ++k)
+        sum += int32_t(w[((k / kQuad) * kTile + j) * kQuad + k % kQuad]) * xq[k];
+      acc = __builtin_fmaf(static_cast<float>(sum), d[k0 / kBlock], acc);
     }
-    for (int r = 0; r < 2; ++r) {
-      const FVec scale = _mm256_set1_ps(d[r * ldd + k0 / kBlock]);
-      for (int u = 0; u < kVecs; ++u) {
-        float* o = out + r * kTile + u * kLanes;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][u]), scale, _mm256_loadu_ps(o)));
-      }
-    }
+    out[j] = acc;
   }
-}
-constexpr int64_t kPairRows = 2;  // rows that share a tile's loads
-#else
-constexpr int64_t kPairRows = 1;
 #endif
+}
 
 // x (M, K) float32, K a multiple of 32; codes (tiles, K / 4, 32, 4) int8; scales (N) float32;
 // bias (N) float32 or none; activation a code of vec_math.h's -> (M, N) float32
@@ -201,25 +153,16 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float sums[kPairRows * kTile];
-    const int64_t ldd = width / kBlock;
+    float sums[kTile];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t c0 = t * kTile, cols = std::min(kTile, n - c0);
-      const int8_t* tile = wp + t * width * kTile;
-      for (int64_t r = 0; r < rows;) {  // the tile stays in cache for every row
-        const int64_t take = r + kPairRows <= rows ? kPairRows : 1;
-#if defined(__AVX2__) && defined(__FMA__)
-        if (take == 2)
-          tile_row_pair(xq.data() + r * width, width, d.data() + r * ldd, ldd, tile, width, sums);
-        else
-#endif
-          tile_row(xq.data() + r * width, d.data() + r * ldd, tile, width, sums);
-        for (int64_t i = 0; i < take; ++i)
-          for (int64_t c = 0; c < cols; ++c) {
-            const float v = sums[i * kTile + c] * sp[c0 + c];
-            op[(r + i) * n + c0 + c] = activate(bp ? v + bp[c0 + c] : v, act);
-          }
-        r += take;
+      for (int64_t r = 0; r < rows; ++r) {  // the tile stays in cache for every row
+        tile_row(xq.data() + r * width, d.data() + r * (width / kBlock), wp + t * width * kTile,
+                 width, sums);
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = sums[c] * sp[c0 + c];
+          op[r * n + c0 + c] = activate(bp ? v + bp[c0 + c] : v, act);
+        }
       }
     }
   });
