@@ -136,26 +136,32 @@ def test_batch_invariant_mode_holds_in_every_format(checkpoint, dtype, quantizat
     _check_alone_and_together(checkpoint, dtype, quantization, batch_invariant=True)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
-def test_batch_invariant_mode_holds_for_a_gguf_file_at_its_bits(tmp_path, kind: str):
+@pytest.mark.parametrize(
+    "kind, rows8", [("Q8_0", False), ("Q4_1", False), ("Q8_0", True), ("Q4_1", True)],
+    ids=["Q8_0", "Q4_1", "Q8_0-int8-activations", "Q4_1-int8-activations"],
+)  # fmt: skip
+def test_batch_invariant_mode_holds_for_a_gguf_file_at_its_bits(tmp_path, kind: str, rows8):
     """A Llama-shaped GGUF file served at its own bits (int4 products; a quantized token table
     as the head, refined by exact rows, whose one-row product once rounded otherwise), as
-    `--model FILE.gguf --batch-invariant` serves it."""
+    `--model FILE.gguf --batch-invariant` serves it, also with `--int8-activations`."""
+    if rows8 and native_ops() is None:
+        pytest.skip("8-bit rows need the compiled CPU kernels")
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(path, "llama", kind, tied=True)
     vocab = GGUF_VOCAB - 1  # not its end token
     _check_alone_and_together(
-        path, "float32", "none", batch_invariant=True, prompt=list(range(40, 60)), vocab=vocab
-    )
+        path, "float32", "none", batch_invariant=True, prompt=list(range(40, 60)), vocab=vocab,
+        int8_activations=rows8,
+    )  # fmt: skip
 
 
 def _check_alone_and_together(
     path, dtype: str, quantization: str, batch_invariant: bool,
-    prompt: list[int] | None = None, vocab: int = 50000,
+    prompt: list[int] | None = None, vocab: int = 50000, int8_activations: bool = False,
 ) -> None:  # fmt: skip
     loaded = load_for_inference(
         path, device="cpu", dtype=dtype, quantization=quantization,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, int8_activations=int8_activations,
     )  # fmt: skip
     config = EngineConfig(max_num_seqs=32, batch_invariant=batch_invariant)
     engine = Engine(loaded.model, loaded.tokenizer, config)
