@@ -141,7 +141,8 @@ def main() -> None:
     path = resolve_model(args.model)
     tokenizer = load_tokenizer("gguf", path)
     text = (REPO / "data" / "shakespeare.txt").read_text()
-    tokens = tokenizer.encode(text[: 400 * args.windows * args.window // 64 + 20000])
+    chars = 400 * args.windows * args.window // 64 + 20000  # ~4 characters a token, with room
+    tokens = tokenizer.encode(text[:chars])
     data = windows(tokens, args.windows, args.window)  # (W, T + 1)
     prompts = [w[:16].tolist() for w in windows(tokens, args.prompts, 16)]
 

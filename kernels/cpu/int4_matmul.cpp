@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "int4_tiles.h"
 #include "row_blocks.h"
 #include "vec_f32.h"
 
@@ -28,7 +29,9 @@
 
 namespace {
 
-constexpr int64_t kTile = 32;      // output columns a tile holds
+using int4_tiles::kTile;  // output columns a tile holds
+using int4_tiles::store_tile;
+
 constexpr int64_t kGroup = 32;     // codes that share a scale and a zero point
 constexpr int64_t kRowChunk = 64;  // rows a thread keeps in cache while its tiles pass over them
 // codes asked for this many groups (8 KiB a tile) before they are read: one row's product waits
@@ -126,12 +129,6 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, int64_t ldsum,
       vstore(y + ((u / kVecs) * R + r) * kTile + (u % kVecs) * kLanes, out[r][u]);
 }
 
-template <typename T>
-void store_tile(const float* y, int64_t rows, int64_t cols, T* out, int64_t ldo) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = static_cast<T>(y[r * kTile + j]);
-}
-
 // every tile's columns for every row, the tiles shared out among threads; S: the table's type
 template <typename S>
 void run_tiles(const float* xp, int64_t rows, int64_t width, const float* sums,
@@ -184,11 +181,7 @@ void run_tiles(const float* xp, int64_t rows, int64_t width, const float* sums,
 // K * copies / 32, 2, kTile) float16 or float32 -> (M, n) in out_dtype (float32 or bfloat16)
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& table,
                        int64_t n, int64_t copies, at::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be (M, K) float32 or bfloat16 on the CPU");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
-              "out_dtype must be float32 or bfloat16");
+  int4_tiles::check_rows(x, out_dtype);
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kTile && codes.scalar_type() == at::kByte &&
                   codes.is_contiguous(),
               "codes must be (tiles, K * copies / 2, 32) contiguous uint8");
@@ -196,12 +189,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(copies >= 1 && width % kGroup == 0 && codes.size(1) * 2 == width * copies,
               "x's width times copies must be the codes' and a multiple of 32");
   const int64_t groups = width * copies / kGroup;
-  TORCH_CHECK(table.dim() == 4 && table.size(0) == tiles && table.size(1) == groups &&
-                  table.size(2) == 2 && table.size(3) == kTile &&
-                  (table.scalar_type() == at::kHalf || table.scalar_type() == at::kFloat) &&
-                  table.is_contiguous(),
-              "table must be (tiles, groups, 2, 32) contiguous float16 or float32");
-  TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "n does not match the tiles");
+  int4_tiles::check_table(table, tiles, groups, n);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // (M, K)
   const float* xp = xf.data_ptr<float>();
   const std::vector<float> sums = row_blocks::block_sums(xp, rows, width);  // (M, K / 32)

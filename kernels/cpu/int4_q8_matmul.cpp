@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "int4_tiles.h"
 #include "row_blocks.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -35,9 +36,11 @@
 
 namespace {
 
+using int4_tiles::kTile;  // output columns a tile holds
+using int4_tiles::store_tile;
+
 using row_blocks::kBlock;  // inputs of a group of codes and of a row's block
 
-constexpr int64_t kTile = 32;             // output columns a tile holds
 constexpr int64_t kGroupBytes = 16 * kTile;  // a group's codes in a tile: 32 x 32 nibbles
 constexpr int64_t kRowChunk = 64;         // rows a thread keeps in cache while tiles pass
 constexpr int64_t kPrefetchGroups = 8;    // codes asked for this many groups ahead
@@ -152,12 +155,6 @@ void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum,
 }
 #endif
 
-template <typename T>
-void store_tile(const float* y, int64_t rows, int64_t cols, T* out, int64_t ldo) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = static_cast<T>(y[r * kTile + j]);
-}
-
 // every tile's columns for every row, the tiles shared out among threads; S: the table's type
 template <typename S>
 void run_tiles(const int8_t* xq, const float* d, const float* sums, int64_t rows, int64_t width,
@@ -196,11 +193,7 @@ void run_tiles(const int8_t* xq, const float* d, const float* sums, int64_t rows
 // K * copies / 32, 2, 32) float16 or float32 -> (M, n) in out_dtype (float32 or bfloat16)
 at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& table,
                           int64_t n, int64_t copies, at::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be (M, K) float32 or bfloat16 on the CPU");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
-              "out_dtype must be float32 or bfloat16");
+  int4_tiles::check_rows(x, out_dtype);
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kTile && codes.size(3) == 4 &&
                   codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes must be (tiles, K * copies / 8, 32, 4) contiguous uint8");
@@ -208,12 +201,7 @@ at::Tensor int4_q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(copies >= 1 && width % kBlock == 0 && codes.size(1) * 8 == width * copies,
               "x's width times copies must be the codes' and a multiple of 32");
   const int64_t groups = width * copies / kBlock;
-  TORCH_CHECK(table.dim() == 4 && table.size(0) == tiles && table.size(1) == groups &&
-                  table.size(2) == 2 && table.size(3) == kTile &&
-                  (table.scalar_type() == at::kHalf || table.scalar_type() == at::kFloat) &&
-                  table.is_contiguous(),
-              "table must be (tiles, groups, 2, 32) contiguous float16 or float32");
-  TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "n does not match the tiles");
+  int4_tiles::check_table(table, tiles, groups, n);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // (M, K)
   const float* xp = xf.data_ptr<float>();
   at::Tensor out = at::empty({rows, n}, x.options().dtype(out_dtype));

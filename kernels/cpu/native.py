@@ -75,7 +75,14 @@ SOURCES = [
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("vec_math.h", "vec_f32.h", "layer_calls.h", "lora_update.h", "row_blocks.h")
+    for name in (
+        "vec_math.h",
+        "vec_f32.h",
+        "layer_calls.h",
+        "lora_update.h",
+        "row_blocks.h",
+        "int4_tiles.h",
+    )
 ]
 # OpenMP: at::parallel_for's threads are torch's. -fno-trapping-math lets loops with a clamp or
 # a select (fast_exp's) vectorize without AVX-512's masks; it changes no value computed, only

@@ -1,7 +1,7 @@
-// Rows cut into blocks of 32 inputs, as the products that take them by block read them
-// (int4_matmul.cpp, int4_q8_matmul.cpp, q8_matmul.cpp): each block's float32 sum, and each block
-// rounded to 8 bits with a scale (llama.cpp's Q8_0 for its activations). Both in one fixed order
-// per block, so a row's values do not depend on its batch.
+// Rows cut into blocks of 32 inputs, as the products that take them by block read them: each
+// block's float32 sum (int4_matmul.cpp), and each block rounded to 8 bits with a scale, llama.cpp's
+// Q8_0 for its activations (int4_q8_matmul.cpp, q8_matmul.cpp). Both in one fixed order per
+// block, so a row's values do not depend on its batch.
 #pragma once
 
 #include <algorithm>
