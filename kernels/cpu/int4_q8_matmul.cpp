@@ -97,8 +97,7 @@ void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum,
   FVec out[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < kVecs; ++u) out[r][u] = fzero();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t xg = g / copies;  // the block of the rows these codes multiply
+  for (int64_t g = 0, xg = 0, copy = 0; g < groups; ++g) {  // xg: the rows' block, g / copies
     const uint8_t* c = codes + g * kGroupBytes;
     for (int64_t line = 0; line < kGroupBytes; line += 64)
       __builtin_prefetch(c + kPrefetchGroups * kGroupBytes + line);
@@ -117,6 +116,10 @@ void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum,
         nibbles(c + (s * kTile + u * kLanes) * 4, lo, hi);
         for (int r = 0; r < R; ++r) acc[r][u] = dot_add(dot_add(acc[r][u], lo, first[r]), hi, last[r]);
       }
+      // the sums stay chains in registers: left free, GCC reorders them into trees whose
+      // terms spill to the stack
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < kVecs; ++u) asm("" : "+x"(acc[r][u]));
     }
     const S* t = table + g * 2 * kTile;
     for (int u = 0; u < kVecs; ++u) {
@@ -127,6 +130,7 @@ void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum,
         out[r][u] = fma(offset, fset(xsum[r * ldg + xg]), out[r][u]);
       }
     }
+    if (++copy == copies) copy = 0, ++xg;
   }
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < kVecs; ++u) fstore(y + r * kTile + u * kLanes, out[r][u]);
