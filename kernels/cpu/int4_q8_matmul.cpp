@@ -47,7 +47,7 @@ constexpr int64_t kPrefetchGroups = 8;    // codes asked for this many groups ah
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;  // columns a vector holds
-constexpr int kRows = 2;  // rows a tile's codes serve at once
+constexpr int kRows = 4;  // rows a tile's codes serve at once
 using IVec = __m256i;
 using FVec = __m256;
 inline IVec izero() { return _mm256_setzero_si256(); }
@@ -90,39 +90,38 @@ inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
 constexpr int kVecs = kTile / kLanes;  // vectors across a tile's columns
 
 // R quantized rows (xq: R rows of ldq bytes; d and xsum: R rows of ldg per-block values, the
-// scales and d * sum(xq)) times one tile of `groups` code groups (codes, its table) -> y (R, kTile)
-template <int R, typename S>
-void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum, int64_t ldg,
-               const uint8_t* codes, const S* table, int64_t groups, int64_t copies, float* y) {
-  FVec out[R][kVecs];
+// scales and d * sum(xq)) times U vectors of one tile's columns from vector v0, `groups` code
+// groups (codes, its table) -> y (R, kTile) at those columns
+template <int R, int U, typename S>
+void tile_part(const int8_t* xq, int64_t ldq, const float* d, const float* xsum, int64_t ldg,
+               const uint8_t* codes, const S* table, int64_t groups, int64_t copies, int v0,
+               float* y) {
+  FVec out[R][U];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < kVecs; ++u) out[r][u] = fzero();
+    for (int u = 0; u < U; ++u) out[r][u] = fzero();
   for (int64_t g = 0, xg = 0, copy = 0; g < groups; ++g) {  // xg: the rows' block, g / copies
-    const uint8_t* c = codes + g * kGroupBytes;
+    const uint8_t* c = codes + g * kGroupBytes + v0 * kLanes * 4;
     for (int64_t line = 0; line < kGroupBytes; line += 64)
-      __builtin_prefetch(c + kPrefetchGroups * kGroupBytes + line);
-    IVec acc[R][kVecs];
+      __builtin_prefetch(codes + (g + kPrefetchGroups) * kGroupBytes + line);
+    IVec acc[R][U];
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < kVecs; ++u) acc[r][u] = izero();
+      for (int u = 0; u < U; ++u) acc[r][u] = izero();
 #pragma GCC unroll 4
     for (int64_t s = 0; s < kBlock / 8; ++s) {  // 8 inputs a step
-      IVec first[R], last[R];
+      IVec lo[U], hi[U];
+      for (int u = 0; u < U; ++u) nibbles(c + (s * kTile + u * kLanes) * 4, lo[u], hi[u]);
       for (int r = 0; r < R; ++r) {
-        first[r] = xquad(xq + r * ldq + xg * kBlock + 8 * s);
-        last[r] = xquad(xq + r * ldq + xg * kBlock + 8 * s + 4);
-      }
-      for (int u = 0; u < kVecs; ++u) {
-        IVec lo, hi;
-        nibbles(c + (s * kTile + u * kLanes) * 4, lo, hi);
-        for (int r = 0; r < R; ++r) acc[r][u] = dot_add(dot_add(acc[r][u], lo, first[r]), hi, last[r]);
+        const IVec first = xquad(xq + r * ldq + xg * kBlock + 8 * s);
+        const IVec last = xquad(xq + r * ldq + xg * kBlock + 8 * s + 4);
+        for (int u = 0; u < U; ++u) acc[r][u] = dot_add(dot_add(acc[r][u], lo[u], first), hi[u], last);
       }
       // the sums stay chains in registers: left free, GCC reorders them into trees whose
       // terms spill to the stack
       for (int r = 0; r < R; ++r)
-        for (int u = 0; u < kVecs; ++u) asm("" : "+x"(acc[r][u]));
+        for (int u = 0; u < U; ++u) asm("" : "+x"(acc[r][u]));
     }
-    const S* t = table + g * 2 * kTile;
-    for (int u = 0; u < kVecs; ++u) {
+    const S* t = table + g * 2 * kTile + v0 * kLanes;
+    for (int u = 0; u < U; ++u) {
       const FVec scale = load_table(t + u * kLanes), offset = load_table(t + kTile + u * kLanes);
       for (int r = 0; r < R; ++r) {
         const FVec sd = mul(scale, fset(d[r * ldg + xg]));
@@ -133,7 +132,20 @@ void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum,
     if (++copy == copies) copy = 0, ++xg;
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < kVecs; ++u) fstore(y + r * kTile + u * kLanes, out[r][u]);
+    for (int u = 0; u < U; ++u) fstore(y + r * kTile + (v0 + u) * kLanes, out[r][u]);
+}
+
+// R rows times a whole tile: 4 rows in two halves of the tile (each half's codes decoded once
+// for 4 rows, 15 registers), fewer rows in one pass
+template <int R, typename S>
+void tile_rows(const int8_t* xq, int64_t ldq, const float* d, const float* xsum, int64_t ldg,
+               const uint8_t* codes, const S* table, int64_t groups, int64_t copies, float* y) {
+  if constexpr (R == 4) {
+    tile_part<R, 2>(xq, ldq, d, xsum, ldg, codes, table, groups, copies, 0, y);
+    tile_part<R, 2>(xq, ldq, d, xsum, ldg, codes, table, groups, copies, 2, y);
+  } else {
+    tile_part<R, kVecs>(xq, ldq, d, xsum, ldg, codes, table, groups, copies, 0, y);
+  }
 }
 #else  // any other CPU: a column at a time, the same sums in the same order
 constexpr int kRows = 1;
@@ -174,14 +186,16 @@ void run_tiles(const int8_t* xq, const float* d, const float* sums, int64_t rows
       const int64_t r1 = std::min(rows, r0 + kRowChunk);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t cols = std::min(kTile, n - t * kTile);
-        for (int64_t r = r0; r < r1;) {
-          const int64_t take = r + kRows <= r1 ? kRows : 1;
+        for (int64_t r = r0; r < r1;) {  // kRows rows at a time, the rest 2 or 1
+          const int64_t take = r + kRows <= r1 ? kRows : (r + 2 <= r1 && kRows > 2 ? 2 : 1);
           const int8_t* x = xq + r * width;
           const float *dr = d + r * ldg, *sr = sums + r * ldg;
           const uint8_t* c = cp + t * tile_bytes;
           const S* table = tp + t * tile_entries;
           if (take == kRows)
             tile_rows<kRows>(x, width, dr, sr, ldg, c, table, groups, copies, y);
+          else if (take == 2)
+            tile_rows<2>(x, width, dr, sr, ldg, c, table, groups, copies, y);
           else
             tile_rows<1>(x, width, dr, sr, ldg, c, table, groups, copies, y);
           const int64_t at = r * n + t * kTile;
