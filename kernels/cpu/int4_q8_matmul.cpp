@@ -101,8 +101,9 @@ void tile_part(const int8_t* xq, int64_t ldq, const float* d, const float* xsum,
     for (int u = 0; u < U; ++u) out[r][u] = fzero();
   for (int64_t g = 0, xg = 0, copy = 0; g < groups; ++g) {  // xg: the rows' block, g / copies
     const uint8_t* c = codes + g * kGroupBytes + v0 * kLanes * 4;
-    for (int64_t line = 0; line < kGroupBytes; line += 64)
-      __builtin_prefetch(codes + (g + kPrefetchGroups) * kGroupBytes + line);
+    for (int64_t s = 0; s < kBlock / 8; ++s)  // the lines of these columns' codes, ahead
+      for (int64_t b = 0; b < U * kLanes * 4; b += 64)
+        __builtin_prefetch(c + kPrefetchGroups * kGroupBytes + s * kTile * 4 + b);
     IVec acc[R][U];
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < U; ++u) acc[r][u] = izero();

@@ -51,7 +51,12 @@ def test_multiplies_the_dequantized_weights(out, width, copies, half_scales):
 def test_a_row_is_the_same_in_any_batch(rows):
     # rows go 4 (AVX-512) or 1 at a time through tiles taken 4 or 1 at a time, in chunks of 64
     layer = Int4Linear(_groups(232, 256), compiled=True)  # 8 tiles: the last of 8 columns
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    assert_rows_batch_free(layer, rows)
+
+
+def assert_rows_batch_free(layer: Int4Linear, rows: int) -> None:
+    """`rows` random rows through `layer` at once give each row's result alone, to the bit."""
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(together, alone)
